@@ -1,0 +1,1 @@
+"""Benchmarks: ``python -m benchmarks SUITE [--quick] [--json PATH] [--plot PATH] [--readme PATH]``."""

@@ -1,0 +1,71 @@
+"""Wall-clock timing: median of N runs after warm-up, interleaved across candidates."""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable, Mapping
+
+import jax
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+  """Milliseconds per call: median, min and max over ``runs`` timed calls."""
+
+  median: float
+  min: float
+  max: float
+  runs: int
+
+  def as_dict(self) -> dict[str, float]:
+    return {"median": self.median, "min": self.min, "max": self.max}
+
+
+def _block(out):
+  """Waits for JAX arrays (and torch tensors, which are synchronous on CPU) in ``out``."""
+  return jax.block_until_ready(out)
+
+
+def _summarize(samples: list[float]) -> Timing:
+  return Timing(statistics.median(samples), min(samples), max(samples), len(samples))
+
+
+def time_fn(fn: Callable[[], object], *, warmup: int = 2, runs: int = 7,
+            sync: Callable[[object], object] = _block) -> Timing:
+  """Times ``fn()``: ``warmup`` untimed calls, then the median of ``runs`` timed calls.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jaxfuse.metrics import time_fn
+    >>> f = jax.jit(lambda x: x * 2)
+    >>> x = jnp.ones(1024)
+    >>> time_fn(lambda: f(x), runs=5).runs
+    5
+  """
+  return interleaved({"fn": fn}, warmup=warmup, runs=runs, sync=sync)["fn"]
+
+
+def interleaved(fns: Mapping[str, Callable[[], object]], *, warmup: int = 2, runs: int = 7,
+                sync: Callable[[object], object] = _block,
+                on_step: Callable[[], None] | None = None) -> dict[str, Timing]:
+  """Times several candidates round-robin, so that drift in the machine hits them alike.
+
+  Each candidate gets ``warmup`` untimed calls, then ``runs`` rounds in which every candidate
+  runs once, in turn. Returns each candidate's median, min and max in milliseconds.
+  """
+  if runs < 1:
+    raise ValueError(f"runs must be >= 1, got {runs}")
+  for fn in fns.values():
+    for _ in range(warmup):
+      sync(fn())
+  samples: dict[str, list[float]] = {name: [] for name in fns}
+  for _ in range(runs):
+    for name, fn in fns.items():
+      start = time.perf_counter()
+      sync(fn())
+      samples[name].append((time.perf_counter() - start) * 1e3)
+    if on_step is not None:
+      on_step()
+  return {name: _summarize(s) for name, s in samples.items()}

@@ -1,0 +1,152 @@
+"""Triton kernels for the seed's fused ``act(a + b)``, called from JAX through jax-triton.
+
+The kernels take flat pointers, the element count ``N`` and the activation ``ACT`` as
+compile-time constants, and mask the tail block. They compute in float32 and store in the output
+pointer's dtype. The same kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, torch CPU
+tensors), which is how CPU tests check their bodies.
+"""
+
+from __future__ import annotations
+
+import math
+
+import triton
+import triton.language as tl
+
+# The activations these kernels implement; each matches jaxfuse.ops.activations of that name.
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "sigmoid", "tanh", "squared_relu",
+               "identity")
+
+BLOCK = 1024
+NUM_WARPS = 4
+
+
+@triton.jit
+def _tanh(x):
+  # tl.math has no tanh; use exp away from 0 and the Taylor series near it (no cancellation).
+  ax = tl.abs(x)
+  e = tl.exp(-2.0 * ax)
+  far = (1.0 - e) / (1.0 + e)
+  x2 = ax * ax
+  near = ax * (1.0 - x2 * (1.0 / 3.0 - x2 * (2.0 / 15.0 - x2 * (17.0 / 315.0))))
+  t = tl.where(ax < 0.1, near, far)
+  return tl.where(x < 0.0, -t, t)
+
+
+@triton.jit
+def _sigmoid(x):
+  return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def _gelu_tanh_inner(x):
+  return 0.7978845608028654 * (x + 0.044715 * x * x * x)
+
+
+@triton.jit
+def activation(x, ACT: tl.constexpr):
+  """``ACT(x)`` for x in float32."""
+  if ACT == "relu":
+    y = tl.maximum(x, 0.0)
+  elif ACT == "gelu":
+    y = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
+  elif ACT == "gelu_tanh":
+    y = 0.5 * x * (1.0 + _tanh(_gelu_tanh_inner(x)))
+  elif ACT == "silu":
+    y = x * _sigmoid(x)
+  elif ACT == "sigmoid":
+    y = _sigmoid(x)
+  elif ACT == "tanh":
+    y = _tanh(x)
+  elif ACT == "squared_relu":
+    r = tl.maximum(x, 0.0)
+    y = r * r
+  else:
+    y = x
+  return y
+
+
+@triton.jit
+def activation_grad(x, ACT: tl.constexpr):
+  """``ACT'(x)`` for x in float32 (relu'(0) = 0, as torch)."""
+  if ACT == "relu":
+    d = tl.where(x > 0.0, 1.0, 0.0)
+  elif ACT == "gelu":
+    cdf = 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476))
+    d = cdf + x * 0.3989422804014327 * tl.exp(-0.5 * x * x)
+  elif ACT == "gelu_tanh":
+    t = _tanh(_gelu_tanh_inner(x))
+    d = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * 0.7978845608028654 * (
+        1.0 + 3.0 * 0.044715 * x * x)
+  elif ACT == "silu":
+    s = _sigmoid(x)
+    d = s * (1.0 + x * (1.0 - s))
+  elif ACT == "sigmoid":
+    s = _sigmoid(x)
+    d = s * (1.0 - s)
+  elif ACT == "tanh":
+    t = _tanh(x)
+    d = 1.0 - t * t
+  elif ACT == "squared_relu":
+    d = 2.0 * tl.maximum(x, 0.0)
+  else:
+    d = tl.full(x.shape, 1.0, tl.float32)
+  return d
+
+
+@triton.jit
+def add_act_fwd_kernel(a_ptr, b_ptr, out_ptr, N: tl.constexpr, BLOCK: tl.constexpr,
+                       ACT: tl.constexpr):
+  offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+  mask = offsets < N
+  a = tl.load(a_ptr + offsets, mask=mask).to(tl.float32)
+  b = tl.load(b_ptr + offsets, mask=mask).to(tl.float32)
+  y = activation(a + b, ACT)
+  tl.store(out_ptr + offsets, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def add_act_bwd_kernel(a_ptr, b_ptr, g_ptr, out_ptr, N: tl.constexpr, BLOCK: tl.constexpr,
+                       ACT: tl.constexpr):
+  offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+  mask = offsets < N
+  a = tl.load(a_ptr + offsets, mask=mask).to(tl.float32)
+  b = tl.load(b_ptr + offsets, mask=mask).to(tl.float32)
+  g = tl.load(g_ptr + offsets, mask=mask).to(tl.float32)
+  d = g * activation_grad(a + b, ACT)
+  tl.store(out_ptr + offsets, d.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def grid_for(n: int, block: int = BLOCK) -> tuple[int]:
+  return (max(1, math.ceil(n / block)),)
+
+
+def traffic_bytes(n: int, itemsize: int, *, backward: bool = False) -> int:
+  """HBM bytes one launch reads and writes: 2 reads + 1 write forward, 3 + 1 backward."""
+  return (4 if backward else 3) * n * itemsize
+
+
+def add_act_forward(a, b, act: str):
+  """``act(a + b)`` through jax-triton (GPU only)."""
+  import jax
+  import jax_triton
+
+  n = a.size
+  out = jax_triton.triton_call(
+      a.reshape(n), b.reshape(n), kernel=add_act_fwd_kernel,
+      out_shape=jax.ShapeDtypeStruct((n,), a.dtype), grid=grid_for(n),
+      num_warps=NUM_WARPS, N=n, BLOCK=BLOCK, ACT=act)
+  return out.reshape(a.shape)
+
+
+def add_act_backward(a, b, g, act: str):
+  """``g * act'(a + b)`` through jax-triton (GPU only)."""
+  import jax
+  import jax_triton
+
+  n = a.size
+  out = jax_triton.triton_call(
+      a.reshape(n), b.reshape(n), g.reshape(n), kernel=add_act_bwd_kernel,
+      out_shape=jax.ShapeDtypeStruct((n,), a.dtype), grid=grid_for(n),
+      num_warps=NUM_WARPS, N=n, BLOCK=BLOCK, ACT=act)
+  return out.reshape(a.shape)

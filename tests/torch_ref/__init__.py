@@ -1,0 +1,1 @@
+"""PyTorch reference twins of jaxfuse's ops and modules, written from their specifications."""
