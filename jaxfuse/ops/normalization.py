@@ -1,0 +1,376 @@
+"""LayerNorm and RMSNorm over the last axis, alone or after a residual add, fused forward and back.
+
+Four ops, one kernel each way:
+
+- :func:`layer_norm` and :func:`rms_norm` normalize ``x``;
+- :func:`add_layer_norm` and :func:`add_rms_norm` compute ``z = x + residual`` and normalize it in
+  the same kernel, returning ``(normalized, z)``: the pre-norm transformer block, where ``z``
+  continues as the residual stream.
+
+What the backward pass keeps: the input rows (``x``, or ``z``, which is an output anyway) and
+float32 per-row statistics (the mean for LayerNorm, and the reciprocal standard deviation), never
+the normalized output. The backward kernel recomputes the normalized rows from them. Statistics
+and arithmetic are float32 for every input dtype; outputs are rounded once.
+
+Implementations: ``"pallas"`` (GPU kernels; interpret mode on CPU for tests), ``"triton"``
+(:func:`rms_norm` only, through jax-triton) and ``"xla"``, a ``custom_vjp`` with hand-written
+backward formulas, arranged so that XLA:CPU fuses each reduction with its elementwise inputs and
+keeps no full-size temporaries.
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> from jaxfuse.ops import add_rms_norm, rms_norm
+  >>> x = jnp.array([[3.0, 4.0], [1.0, -1.0]])
+  >>> rms_norm(x, jnp.ones(2), eps=0.0)
+  Array([[ 0.8485281,  1.1313709],
+         [ 1.       , -1.       ]], dtype=float32)
+  >>> normed, stream = add_rms_norm(x, x, jnp.ones(2), eps=0.0)
+  >>> stream
+  Array([[ 6.,  8.],
+         [ 2., -2.]], dtype=float32)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from numbers import Real
+
+import jax
+import jax.numpy as jnp
+
+from jaxfuse.kernels.pallas import normalization as pallas_norm
+from jaxfuse.ops import checks, dispatch
+
+F32 = jnp.float32
+
+_RMS_IMPLEMENTATIONS = ("pallas", "triton", "xla")
+_IMPLEMENTATIONS = ("pallas", "xla")
+_PREFERENCE = {"gpu": ("pallas", "xla"), "cpu": ("xla",)}
+
+
+def _compute_dtype(dtype):
+  return jnp.promote_types(dtype, F32)
+
+
+# Plain-jnp references ---------------------------------------------------------------------------
+
+
+def layer_norm_reference(x: jax.Array, scale: jax.Array | None = None,
+                         bias: jax.Array | None = None, *, eps: float = 1e-5) -> jax.Array:
+  """Plain-jnp LayerNorm over the last axis, in float32 (or wider), differentiated by JAX."""
+  xf = x.astype(_compute_dtype(x.dtype))
+  mean = jnp.mean(xf, axis=-1, keepdims=True)
+  centered = xf - mean
+  var = jnp.mean(centered * centered, axis=-1, keepdims=True)
+  y = centered * jax.lax.rsqrt(var + eps)
+  if scale is not None:
+    y = y * scale.astype(y.dtype)
+  if bias is not None:
+    y = y + bias.astype(y.dtype)
+  return y.astype(x.dtype)
+
+
+def rms_norm_reference(x: jax.Array, scale: jax.Array | None = None, *,
+                       eps: float = 1e-6) -> jax.Array:
+  """Plain-jnp RMSNorm over the last axis, in float32 (or wider), differentiated by JAX."""
+  xf = x.astype(_compute_dtype(x.dtype))
+  y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+  if scale is not None:
+    y = y * scale.astype(y.dtype)
+  return y.astype(x.dtype)
+
+
+def add_layer_norm_reference(x, residual, scale=None, bias=None, *, eps: float = 1e-5):
+  """Plain-jnp ``(layer_norm(x + residual), x + residual)``."""
+  z = x + residual
+  return layer_norm_reference(z, scale, bias, eps=eps), z
+
+
+def add_rms_norm_reference(x, residual, scale=None, *, eps: float = 1e-6):
+  """Plain-jnp ``(rms_norm(x + residual), x + residual)``."""
+  z = x + residual
+  return rms_norm_reference(z, scale, eps=eps), z
+
+
+# Public ops -------------------------------------------------------------------------------------
+
+
+def layer_norm(x: jax.Array, scale: jax.Array | None = None, bias: jax.Array | None = None, *,
+               eps: float = 1e-5, implementation: str | None = None) -> jax.Array:
+  """LayerNorm over the last axis: ``(x - mean) / sqrt(var + eps) * scale + bias``.
+
+  As ``torch.nn.LayerNorm(H, eps)``; ``scale=None`` is ``elementwise_affine=False`` and
+  ``bias=None`` is ``bias=False``.
+
+  Args:
+    x: float32, bfloat16 or float16, any shape ``(..., H)``.
+    scale: ``(H,)`` or None. May have another float dtype than ``x`` (its gradient has its own).
+    bias: ``(H,)`` or None.
+    eps: added to the variance.
+    implementation: ``None`` (the fastest here), ``"pallas"`` or ``"xla"``.
+
+  Returns:
+    The normalized ``x``, in ``x``'s dtype.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxfuse.ops import layer_norm
+    >>> layer_norm(jnp.array([[1.0, 3.0]]), jnp.ones(2), jnp.zeros(2), eps=0.0)
+    Array([[-1.,  1.]], dtype=float32)
+  """
+  return _apply("layer_norm", x, None, scale, bias, eps, implementation, centered=True)
+
+
+def rms_norm(x: jax.Array, scale: jax.Array | None = None, *, eps: float = 1e-6,
+             implementation: str | None = None) -> jax.Array:
+  """RMSNorm over the last axis: ``x / sqrt(mean(x**2) + eps) * scale``.
+
+  As ``torch.nn.RMSNorm(H, eps)``; ``scale=None`` is ``elementwise_affine=False``.
+
+  Args:
+    x: float32, bfloat16 or float16, any shape ``(..., H)``.
+    scale: ``(H,)`` or None.
+    eps: added to the mean square.
+    implementation: ``None`` (the fastest here), ``"pallas"``, ``"triton"`` or ``"xla"``.
+
+  Returns:
+    The normalized ``x``, in ``x``'s dtype.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxfuse.ops import rms_norm
+    >>> rms_norm(jnp.array([[3.0, 4.0]]), eps=0.0)
+    Array([[0.8485281, 1.1313709]], dtype=float32)
+  """
+  return _apply("rms_norm", x, None, scale, None, eps, implementation, centered=False)
+
+
+def add_layer_norm(x: jax.Array, residual: jax.Array, scale: jax.Array | None = None,
+                   bias: jax.Array | None = None, *, eps: float = 1e-5,
+                   implementation: str | None = None) -> tuple[jax.Array, jax.Array]:
+  """``z = x + residual`` and ``layer_norm(z)`` in one kernel; returns ``(normalized, z)``.
+
+  ``z`` is rounded to ``x``'s dtype before it is normalized, exactly as the two-step chain
+  ``z = x + residual; layer_norm(z)`` would do.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxfuse.ops import add_layer_norm
+    >>> normed, z = add_layer_norm(jnp.array([[1.0, 2.0]]), jnp.array([[0.0, 1.0]]), eps=0.0)
+    >>> normed, z
+    (Array([[-1.,  1.]], dtype=float32), Array([[1., 3.]], dtype=float32))
+  """
+  return _apply("add_layer_norm", x, residual, scale, bias, eps, implementation, centered=True)
+
+
+def add_rms_norm(x: jax.Array, residual: jax.Array, scale: jax.Array | None = None, *,
+                 eps: float = 1e-6,
+                 implementation: str | None = None) -> tuple[jax.Array, jax.Array]:
+  """``z = x + residual`` and ``rms_norm(z)`` in one kernel; returns ``(normalized, z)``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxfuse.ops import add_rms_norm
+    >>> normed, z = add_rms_norm(jnp.array([[1.0, 3.0]]), jnp.array([[2.0, 1.0]]), eps=0.0)
+    >>> z
+    Array([[3., 4.]], dtype=float32)
+  """
+  return _apply("add_rms_norm", x, residual, scale, None, eps, implementation, centered=False)
+
+
+# Argument checks and dispatch -------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+  centered: bool
+  eps: float
+  impl: str
+  interpret: bool
+
+
+def _check(op, x, residual, scale, bias, eps):
+  checks.floating(op, "x", x)
+  if x.ndim < 1:
+    raise ValueError(f"{op}: x must have rank >= 1 (features on the last axis), got shape ()")
+  hidden = x.shape[-1]
+  if residual is not None:
+    checks.floating(op, "residual", residual)
+    checks.same_shape(op, ("x", "residual"), (x, residual))
+    checks.same_dtype(op, ("x", "residual"), (x, residual))
+  for name, p in (("scale", scale), ("bias", bias)):
+    if p is None:
+      continue
+    checks.floating(op, name, p)
+    checks.rank(op, name, p, 1)
+    checks.dim(op, name, p, 0, hidden, "the last axis of x")
+  if isinstance(eps, bool) or not isinstance(eps, Real) or not eps >= 0:
+    raise ValueError(f"{op}: eps must be a non-negative number, got {eps!r}")
+
+
+def _apply(op, x, residual, scale, bias, eps, implementation, *, centered):
+  x = checks.as_array(x)
+  residual = None if residual is None else checks.as_array(residual)
+  scale = None if scale is None else checks.as_array(scale)
+  bias = None if bias is None else checks.as_array(bias)
+  _check(op, x, residual, scale, bias, eps)
+  supported = _RMS_IMPLEMENTATIONS if op == "rms_norm" else _IMPLEMENTATIONS
+  impl = dispatch.resolve(op, implementation, supported, _PREFERENCE)
+  if impl == "pallas" and x.shape[-1] > pallas_norm.MAX_HIDDEN:
+    raise ValueError(f"{op}: implementation='pallas' takes a hidden size (x.shape[-1]) of at "
+                     f"most {pallas_norm.MAX_HIDDEN}, got {x.shape[-1]}; use 'xla'")
+  if x.size == 0:
+    impl = "xla"
+  cfg = _Config(centered=centered, eps=float(eps), impl=impl,
+                interpret=impl == "pallas" and not dispatch.on_gpu())
+  shape = x.shape
+  rows = (math.prod(shape[:-1]), shape[-1])
+  with jax.named_scope(f"jaxfuse.{op}"):
+    out = _normalize(x.reshape(rows), None if residual is None else residual.reshape(rows),
+                     scale, bias, cfg)
+  if residual is None:
+    return out.reshape(shape)
+  return out[0].reshape(shape), out[1].reshape(shape)
+
+
+# The differentiable core ------------------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _normalize(x, residual, scale, bias, cfg):
+  y, z, _, _ = _forward(x, residual, scale, bias, cfg, store_stats=False)
+  return y if residual is None else (y, z)
+
+
+def _normalize_fwd(x, residual, scale, bias, cfg):
+  y, z, mean, rstd = _forward(x, residual, scale, bias, cfg, store_stats=True)
+  # Residuals: the rows that were normalized (x, or z = x + residual, which is an output) and the
+  # float32 per-row statistics. The normalized rows are recomputed in the backward pass.
+  rows = x if residual is None else z
+  out = y if residual is None else (y, z)
+  return out, (rows, scale, bias, mean, rstd)
+
+
+def _normalize_bwd(cfg, saved, cotangents):
+  rows, scale, bias, mean, rstd = saved
+  has_residual = isinstance(cotangents, tuple)  # (dy, dz) for the add variants
+  g, g_sum = cotangents if has_residual else (cotangents, None)
+  dx, dscale, dbias = _backward(rows, g, g_sum, scale, bias, mean, rstd, cfg)
+  dscale = None if scale is None else dscale.astype(scale.dtype)
+  dbias = None if bias is None else dbias.astype(bias.dtype)
+  return dx, (dx if has_residual else None), dscale, dbias
+
+
+_normalize.defvjp(_normalize_fwd, _normalize_bwd, optimize_remat=True)
+
+
+def _forward(x, residual, scale, bias, cfg, *, store_stats):
+  """``(y, z, mean, rstd)``; z is None without a residual, mean None for RMSNorm."""
+  if cfg.impl == "pallas":
+    return pallas_norm.forward(x, residual, scale, bias, eps=cfg.eps, centered=cfg.centered,
+                               store_stats=store_stats, interpret=cfg.interpret)
+  if cfg.impl == "triton":
+    from jaxfuse.kernels.triton import normalization as triton_norm
+
+    y, rstd = triton_norm.rms_norm_forward(x, scale, eps=cfg.eps)
+    return y, None, None, rstd
+  return _xla_forward(x, residual, scale, bias, cfg.centered, cfg.eps)
+
+
+def _backward(rows, g, g_sum, scale, bias, mean, rstd, cfg):
+  """``(dx, dscale, dbias)``; the parameter gradients in float32 (None where absent)."""
+  if cfg.impl == "pallas":
+    return pallas_norm.backward(rows, g, g_sum, scale, mean, rstd, has_bias=bias is not None,
+                                interpret=cfg.interpret)
+  if cfg.impl == "triton":
+    from jaxfuse.kernels.triton import normalization as triton_norm
+
+    dx, dscale = triton_norm.rms_norm_backward(rows, g, scale, rstd)
+    return dx, dscale, None
+  return _xla_backward(rows, g, g_sum, scale, bias is not None, mean, rstd)
+
+
+# The XLA implementation -------------------------------------------------------------------------
+#
+# Written for XLA:CPU, whose reductions run as YNNPACK fusions that take elementwise producers
+# along but not every broadcast: a reduction whose operand needs a broadcast it cannot take makes
+# XLA write that operand out in full. Measured on 16384 x 4096 float32, each such full-size
+# temporary costs about as much as the whole rest of the backward pass, so the formulas below
+# are arranged to have none:
+# - per-row and per-feature vectors enter the reductions as (rows, 1) and (1, H) arrays, passed
+#   through an optimization barrier so that XLA keeps that form;
+# - the two reductions over x and g are written with different association, so that XLA does not
+#   share (and so materialize) their common product;
+# - the per-row coefficients of the input gradient go through a select, which keeps them out of
+#   the reduction's fusion when there are more than 4096 rows (otherwise XLA merges the input
+#   gradient into that fusion and materializes its broadcasts).
+
+
+def _opaque(value, rstd):
+  """``value``, through a select XLA cannot see through (NaN where ``rstd`` is NaN, as
+  ``value`` is then anyway)."""
+  return jnp.where(jnp.isnan(rstd), rstd, value)
+
+
+def _xla_forward(x, residual, scale, bias, centered, eps):
+  cd = _compute_dtype(x.dtype)
+  z = None
+  if residual is not None:
+    z = (x.astype(cd) + residual.astype(cd)).astype(x.dtype)
+    xf = z.astype(cd)
+  else:
+    xf = x.astype(cd)
+  hidden = x.shape[-1]
+  if centered:
+    mean = jnp.sum(xf, axis=-1, keepdims=True) * (1.0 / hidden)
+    mean_1 = jax.lax.optimization_barrier(mean)
+    d = xf - mean_1
+    var = jnp.sum(d * d, axis=-1, keepdims=True) * (1.0 / hidden)
+    rstd = jax.lax.rsqrt(var + eps)
+    y = (xf - mean) * rstd
+  else:
+    mean = None
+    rstd = jax.lax.rsqrt(jnp.sum(xf * xf, axis=-1, keepdims=True) * (1.0 / hidden) + eps)
+    y = xf * rstd
+  if scale is not None:
+    y = y * scale.astype(cd)
+  if bias is not None:
+    y = y + bias.astype(cd)
+  return y.astype(x.dtype), z, mean, rstd
+
+
+def _xla_backward(rows, g, g_sum, scale, has_bias, mean, rstd):
+  cd = _compute_dtype(rows.dtype)
+  x = rows.astype(cd)
+  g = g.astype(cd)
+  hidden = x.shape[-1]
+  s = None if scale is None else scale.astype(cd)
+  # (1, H) and (rows, 1) forms of the per-feature and per-row vectors, kept as such (see above).
+  s_1, rstd_1, mean_1 = jax.lax.optimization_barrier(
+      (None if s is None else s[None, :], rstd, mean))
+  if mean is None:
+    # Row sums sum(g*s * x); feature sums sum(g * xhat) = sum(x * g*rstd).
+    c1 = jnp.sum((g if s is None else g * s_1) * x, axis=-1, keepdims=True)
+    dscale = None if s is None else jnp.sum(x * (g * rstd_1), axis=0)
+    c2 = None
+  else:
+    # Row sums sum(g*s * (x - mean)) and sum(g*s); feature sums sum(g * xhat). Each is written
+    # with its own association, so that no product is shared (and so written out) between them.
+    s_2, mean_2 = jax.lax.optimization_barrier((None if s is None else s[None, :], mean))
+    xc_1 = x - mean_1
+    c1 = jnp.sum(g * (xc_1 if s is None else s_1 * xc_1), axis=-1, keepdims=True)
+    c2 = jnp.sum(g if s is None else g * s_2, axis=-1, keepdims=True)
+    dscale = None if s is None else -jnp.sum((g * rstd_1) * (mean_2 - x), axis=0)
+  dbias = jnp.sum(g, axis=0) if has_bias else None
+  r3 = rstd * rstd * rstd * (1.0 / hidden)
+  coef1 = _opaque(r3 * c1, rstd)
+  xc = x if mean is None else x - mean
+  gs = g if s is None else g * s
+  dx = rstd * gs - xc * coef1
+  if c2 is not None:
+    dx = dx - _opaque(rstd * (1.0 / hidden) * c2, rstd)
+  if g_sum is not None:
+    dx = dx + g_sum.astype(cd)
+  return dx.astype(rows.dtype), dscale, dbias
