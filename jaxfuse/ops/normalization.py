@@ -20,14 +20,14 @@ keeps no full-size temporaries.
 Example:
   >>> import jax, jax.numpy as jnp
   >>> from jaxfuse.ops import add_rms_norm, rms_norm
-  >>> x = jnp.array([[3.0, 4.0], [1.0, -1.0]])
+  >>> x = jnp.array([[2.0, -2.0], [0.5, 0.5]])
   >>> rms_norm(x, jnp.ones(2), eps=0.0)
-  Array([[ 0.8485281,  1.1313709],
-         [ 1.       , -1.       ]], dtype=float32)
+  Array([[ 1., -1.],
+         [ 1.,  1.]], dtype=float32)
   >>> normed, stream = add_rms_norm(x, x, jnp.ones(2), eps=0.0)
   >>> stream
-  Array([[ 6.,  8.],
-         [ 2., -2.]], dtype=float32)
+  Array([[ 4., -4.],
+         [ 1.,  1.]], dtype=float32)
 """
 
 from __future__ import annotations
@@ -141,8 +141,8 @@ def rms_norm(x: jax.Array, scale: jax.Array | None = None, *, eps: float = 1e-6,
   Example:
     >>> import jax.numpy as jnp
     >>> from jaxfuse.ops import rms_norm
-    >>> rms_norm(jnp.array([[3.0, 4.0]]), eps=0.0)
-    Array([[0.8485281, 1.1313709]], dtype=float32)
+    >>> rms_norm(jnp.array([[2.0, -2.0]]), eps=0.0)
+    Array([[ 1., -1.]], dtype=float32)
   """
   return _apply("rms_norm", x, None, scale, None, eps, implementation, centered=False)
 
@@ -374,3 +374,24 @@ def _xla_backward(rows, g, g_sum, scale, has_bias, mean, rstd):
   if g_sum is not None:
     dx = dx + g_sum.astype(cd)
   return dx.astype(rows.dtype), dscale, dbias
+
+
+# For the Flax modules ---------------------------------------------------------------------------
+
+
+def check_module_options(module: str, ndim: int, *, reduction_axes, feature_axes, axis_name,
+                         mask) -> None:
+  """Raises for the Flax normalization options these ops do not cover, naming the option.
+
+  The ops normalize over the last axis of one array, with per-feature parameters on that axis.
+  """
+  last = ndim - 1
+  for name, axes in (("reduction_axes", reduction_axes), ("feature_axes", feature_axes)):
+    listed = axes if isinstance(axes, (tuple, list)) else (axes,)
+    if len(listed) != 1 or not isinstance(listed[0], int) or listed[0] % max(ndim, 1) != last:
+      raise NotImplementedError(f"{module}: {name} must be the last axis (-1), got {axes!r}")
+  if axis_name is not None:
+    raise NotImplementedError(f"{module}: axis_name (statistics across devices) is not "
+                              f"supported, got {axis_name!r}")
+  if mask is not None:
+    raise NotImplementedError(f"{module}: mask is not supported")

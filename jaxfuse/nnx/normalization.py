@@ -1,0 +1,135 @@
+"""Flax NNX ``LayerNorm`` and ``RMSNorm`` over jaxfuse's fused normalization ops.
+
+Drop-in for ``flax.nnx.LayerNorm`` / ``flax.nnx.RMSNorm``: the same constructor arguments, the
+same parameters (``scale`` and ``bias``, shape ``(num_features,)``) and the same dtype rules.
+The backward pass keeps the input and float32 per-row statistics, not the normalized output.
+Normalization is over the last axis; other ``reduction_axes`` / ``feature_axes``, ``axis_name``
+and ``mask`` raise ``NotImplementedError``. Statistics are always computed in float32 with a
+numerically stable variance, so ``use_fast_variance`` changes nothing.
+
+Example:
+  >>> import jax.numpy as jnp
+  >>> from flax import nnx
+  >>> from jaxfuse.nnx import RMSNorm
+  >>> norm = RMSNorm(4, rngs=nnx.Rngs(0))
+  >>> norm(jnp.array([[1.0, -1.0, 1.0, -1.0]]))
+  Array([[ 0.9999996, -0.9999996,  0.9999996, -0.9999996]], dtype=float32)
+"""
+
+from __future__ import annotations
+
+import typing as tp
+from types import MappingProxyType
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.nnx.nn import dtypes, initializers
+
+from jaxfuse.ops import normalization as ops
+
+
+class LayerNorm(nnx.Module):
+  """Layer normalization over the last axis (as ``flax.nnx.LayerNorm``).
+
+  Args:
+    num_features: the size of the last axis.
+    epsilon: added to the variance.
+    dtype: the dtype of the computation's inputs and result (default: promoted from the input
+      and the parameters, as flax does).
+    param_dtype: the parameters' dtype.
+    use_bias, use_scale: whether to learn a bias / a scale.
+    bias_init, scale_init: their initializers.
+    reduction_axes, feature_axes, axis_name, axis_index_groups, use_fast_variance,
+      promote_dtype, bias_metadata, scale_metadata: as in flax.
+    rngs: the random number generators (one ``params`` key per parameter, as flax takes them).
+    implementation: ``None``, ``"pallas"`` or ``"xla"`` (see :func:`jaxfuse.ops.layer_norm`).
+  """
+
+  def __init__(self, num_features: int, *, epsilon: float = 1e-6, dtype=None,
+               param_dtype=jnp.float32, use_bias: bool = True, use_scale: bool = True,
+               bias_init=initializers.zeros_init(), scale_init=initializers.ones_init(),
+               reduction_axes=-1, feature_axes=-1, axis_name: str | None = None,
+               axis_index_groups: tp.Any = None, use_fast_variance: bool = True,
+               promote_dtype=dtypes.promote_dtype, rngs: nnx.Rngs,
+               bias_metadata: tp.Mapping[str, tp.Any] = MappingProxyType({}),
+               scale_metadata: tp.Mapping[str, tp.Any] = MappingProxyType({}),
+               implementation: str | None = None):
+    shape = (num_features,)
+    self.scale = (nnx.Param(scale_init(rngs.params(), shape, param_dtype), **scale_metadata)
+                  if use_scale else nnx.data(None))
+    self.bias = (nnx.Param(bias_init(rngs.params(), shape, param_dtype), **bias_metadata)
+                 if use_bias else nnx.data(None))
+    self.num_features = num_features
+    self.epsilon = epsilon
+    self.dtype = dtype
+    self.param_dtype = param_dtype
+    self.use_bias = use_bias
+    self.use_scale = use_scale
+    self.reduction_axes = reduction_axes
+    self.feature_axes = feature_axes
+    self.axis_name = axis_name
+    self.axis_index_groups = axis_index_groups
+    self.use_fast_variance = use_fast_variance
+    self.promote_dtype = promote_dtype
+    self.implementation = implementation
+
+  def __call__(self, x: jax.Array, *, mask: jax.Array | None = None) -> jax.Array:
+    ops.check_module_options(type(self).__name__, jnp.ndim(x),
+                             reduction_axes=self.reduction_axes, feature_axes=self.feature_axes,
+                             axis_name=self.axis_name, mask=mask)
+    scale = self.scale[...] if self.scale is not None else None
+    bias = self.bias[...] if self.bias is not None else None
+    x, scale, bias = self.promote_dtype((x, scale, bias), dtype=self.dtype)
+    return ops.layer_norm(x, scale, bias, eps=self.epsilon, implementation=self.implementation)
+
+
+class RMSNorm(nnx.Module):
+  """RMS normalization over the last axis (as ``flax.nnx.RMSNorm``).
+
+  Args:
+    num_features: the size of the last axis.
+    epsilon: added to the mean square.
+    dtype: the dtype of the computation's inputs and result (default: promoted from the input
+      and the scale, as flax does).
+    param_dtype: the scale's dtype.
+    use_scale: whether to learn a scale.
+    scale_init: its initializer.
+    reduction_axes, feature_axes, axis_name, axis_index_groups, use_fast_variance,
+      promote_dtype, scale_metadata: as in flax.
+    rngs: the random number generators.
+    implementation: ``None``, ``"pallas"``, ``"triton"`` or ``"xla"`` (see
+      :func:`jaxfuse.ops.rms_norm`).
+  """
+
+  def __init__(self, num_features: int, *, epsilon: float = 1e-6, dtype=None,
+               param_dtype=jnp.float32, use_scale: bool = True,
+               scale_init=initializers.ones, reduction_axes=-1, feature_axes=-1,
+               axis_name: str | None = None, axis_index_groups: tp.Any = None,
+               use_fast_variance: bool = True, promote_dtype=dtypes.promote_dtype,
+               rngs: nnx.Rngs,
+               scale_metadata: tp.Mapping[str, tp.Any] = MappingProxyType({}),
+               implementation: str | None = None):
+    shape = (num_features,)
+    self.scale = (nnx.Param(scale_init(rngs.params(), shape, param_dtype), **scale_metadata)
+                  if use_scale else nnx.data(None))
+    self.num_features = num_features
+    self.epsilon = epsilon
+    self.dtype = dtype
+    self.param_dtype = param_dtype
+    self.use_scale = use_scale
+    self.reduction_axes = reduction_axes
+    self.feature_axes = feature_axes
+    self.axis_name = axis_name
+    self.axis_index_groups = axis_index_groups
+    self.use_fast_variance = use_fast_variance
+    self.promote_dtype = promote_dtype
+    self.implementation = implementation
+
+  def __call__(self, x: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+    ops.check_module_options(type(self).__name__, jnp.ndim(x),
+                             reduction_axes=self.reduction_axes, feature_axes=self.feature_axes,
+                             axis_name=self.axis_name, mask=mask)
+    scale = self.scale[...] if self.scale is not None else None
+    x, scale = self.promote_dtype((x, scale), dtype=self.dtype)
+    return ops.rms_norm(x, scale, eps=self.epsilon, implementation=self.implementation)
