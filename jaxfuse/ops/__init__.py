@@ -6,7 +6,7 @@ from jaxfuse.ops.elementwise import add_act, add_act_reference, add_act_unfused
 from jaxfuse.ops.dispatch import (IMPLEMENTATIONS, ImplementationUnavailableError, can_run,
                                   pallas_interpret)
 from jaxfuse.ops.normalization import (add_layer_norm, add_layer_norm_reference, add_rms_norm,
-                                       add_rms_norm_reference, layer_norm, layer_norm_reference,
+                                       add_rms_norm_reference, add_rms_norm_unfused, layer_norm, layer_norm_reference,
                                        rms_norm, rms_norm_reference)
 
 __all__ = [
@@ -20,6 +20,7 @@ __all__ = [
     "add_layer_norm_reference",
     "add_rms_norm",
     "add_rms_norm_reference",
+    "add_rms_norm_unfused",
     "can_run",
     "layer_norm",
     "layer_norm_reference",

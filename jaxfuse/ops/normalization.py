@@ -40,6 +40,7 @@ from numbers import Real
 import jax
 import jax.numpy as jnp
 
+from jaxfuse.kernels.pallas import elementwise as pallas_elementwise
 from jaxfuse.kernels.pallas import normalization as pallas_norm
 from jaxfuse.ops import checks, dispatch
 
@@ -374,6 +375,71 @@ def _xla_backward(rows, g, g_sum, scale, has_bias, mean, rstd):
   if g_sum is not None:
     dx = dx + g_sum.astype(cd)
   return dx.astype(rows.dtype), dscale, dbias
+
+
+# The unfused chain ------------------------------------------------------------------------------
+
+_UNFUSED_IMPLEMENTATIONS = ("pallas", "xla")
+
+
+def add_rms_norm_unfused(x: jax.Array, residual: jax.Array, scale: jax.Array | None = None, *,
+                         eps: float = 1e-6,
+                         implementation: str | None = None) -> tuple[jax.Array, jax.Array]:
+  """The baseline :func:`add_rms_norm` is measured against: an add kernel, then rms_norm.
+
+  ``z = x + residual`` is written by its own kernel and read back by the normalization kernels.
+  In the backward pass the normalization's gradient for ``z`` and ``z``'s own output gradient
+  are combined by another add kernel, as two separately written layers (or PyTorch's autograd)
+  would do. With ``implementation="xla"`` the adds are plain jnp.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxfuse.ops import add_rms_norm_unfused
+    >>> add_rms_norm_unfused(jnp.array([[1.0, -3.0]]), jnp.array([[1.0, 1.0]]), eps=0.0)[0]
+    Array([[ 1., -1.]], dtype=float32)
+  """
+  op = "add_rms_norm_unfused"
+  x, residual = checks.as_array(x), checks.as_array(residual)
+  scale = None if scale is None else checks.as_array(scale)
+  _check(op, x, residual, scale, None, eps)
+  impl = dispatch.resolve(op, implementation, _UNFUSED_IMPLEMENTATIONS,
+                          {"gpu": ("pallas",), "cpu": ("xla",)})
+  if x.size == 0:
+    impl = "xla"
+  cfg = _Config(centered=False, eps=float(eps), impl=impl,
+                interpret=impl == "pallas" and not dispatch.on_gpu())
+  shape = x.shape
+  rows = (math.prod(shape[:-1]), shape[-1])
+  y, z = _add_then_norm(x.reshape(rows), residual.reshape(rows), scale, cfg)
+  return y.reshape(shape), z.reshape(shape)
+
+
+def _add(a, b, cfg):
+  if cfg.impl == "pallas":
+    return pallas_elementwise.add_forward(a, b, interpret=cfg.interpret)
+  return a + b
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _add_then_norm(x, residual, scale, cfg):
+  return _add_then_norm_fwd(x, residual, scale, cfg)[0]
+
+
+def _add_then_norm_fwd(x, residual, scale, cfg):
+  z = _add(x, residual, cfg)
+  y, _, _, rstd = _forward(z, None, scale, None, cfg, store_stats=True)
+  return (y, z), (z, scale, rstd)
+
+
+def _add_then_norm_bwd(cfg, saved, cotangents):
+  z, scale, rstd = saved
+  g, g_sum = cotangents
+  dz, dscale, _ = _backward(z, g, None, scale, None, None, rstd, cfg)
+  dz = _add(dz, g_sum.astype(dz.dtype), cfg)
+  return dz, dz, None if scale is None else dscale.astype(scale.dtype)
+
+
+_add_then_norm.defvjp(_add_then_norm_fwd, _add_then_norm_bwd)
 
 
 # For the Flax modules ---------------------------------------------------------------------------
