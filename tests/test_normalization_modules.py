@@ -62,16 +62,18 @@ def test_nnx_twin(cls, kwargs):
   x = _x((3, 5, features))
   g = _x((3, 5, features))
 
-  def loss(model, x):
-    return jnp.sum(model(x).astype(jnp.float32) * g)
+  @nnx.jit
+  def run(model, x):
+    def loss(model, x):
+      return jnp.sum(model(x).astype(jnp.float32) * g)
+    return model(x), nnx.grad(loss, argnums=(0, 1))(model, x)
 
-  out_ours, out_theirs = ours(x), theirs(x)
+  out_ours, (gp_ours, gx_ours) = run(ours, x)
+  out_theirs, (gp_theirs, gx_theirs) = run(theirs, x)
   assert out_ours.dtype == out_theirs.dtype and out_ours.shape == out_theirs.shape
   low = out_ours.dtype == jnp.bfloat16 or kwargs.get("param_dtype") == jnp.bfloat16
   tol = dict(rtol=2e-2, atol=2e-2) if low else {}
   helpers.assert_close(out_ours, out_theirs, what="output", **tol)
-  (gp_ours, gx_ours) = nnx.grad(loss, argnums=(0, 1))(ours, x)
-  (gp_theirs, gx_theirs) = nnx.grad(loss, argnums=(0, 1))(theirs, x)
   helpers.assert_close(gx_ours, gx_theirs, what="grad x", **tol)
   for name in ("scale", "bias"):
     if getattr(theirs, name, None) is not None:
@@ -120,8 +122,11 @@ LINEN_CASES = [
 ]
 
 
-@pytest.mark.parametrize("cls,kwargs", LINEN_CASES, ids=lambda v: str(v))
-@pytest.mark.parametrize("x_dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize(
+    "cls,kwargs,x_dtype",
+    [(c, k, jnp.float32) for c, k in LINEN_CASES]
+    + [("LayerNorm", {}, jnp.bfloat16), ("RMSNorm", {"param_dtype": jnp.bfloat16}, jnp.bfloat16)],
+    ids=lambda v: jnp.dtype(v).name if isinstance(v, type) else str(v))
 def test_linen_twin(cls, kwargs, x_dtype):
   features = 80
   ours = getattr(jaxfuse.linen, cls)(**kwargs)
@@ -132,16 +137,17 @@ def test_linen_twin(cls, kwargs, x_dtype):
   assert _structure(ours.init(jax.random.key(0), x)) == _structure(params)
   params = _randomize(params)
 
-  def loss(model, params, x):
-    return jnp.sum(model.apply(params, x).astype(jnp.float32) * g)
+  def run(model):
+    def loss(params, x):
+      return jnp.sum(model.apply(params, x).astype(jnp.float32) * g)
+    return jax.jit(lambda p, x: (model.apply(p, x), jax.grad(loss, argnums=(0, 1))(p, x)))
 
-  out_ours, out_theirs = ours.apply(params, x), theirs.apply(params, x)
+  out_ours, grads_ours = run(ours)(params, x)
+  out_theirs, grads_theirs = run(theirs)(params, x)
   assert out_ours.dtype == out_theirs.dtype
   low = jnp.bfloat16 in (out_ours.dtype, x_dtype, kwargs.get("param_dtype"))
   tol = dict(rtol=2e-2, atol=5e-2) if low else {}
   helpers.assert_close(out_ours, out_theirs, what="output", **tol)
-  grads_ours = jax.grad(loss, argnums=(1, 2))(ours, params, x)
-  grads_theirs = jax.grad(loss, argnums=(1, 2))(theirs, params, x)
   for got, want in zip(jax.tree.leaves(grads_ours), jax.tree.leaves(grads_theirs)):
     helpers.assert_close(got, want, what="gradient", **tol)
 

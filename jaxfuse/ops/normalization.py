@@ -222,8 +222,13 @@ def _apply(op, x, residual, scale, bias, eps, implementation, *, centered):
   if impl == "pallas" and x.shape[-1] > pallas_norm.MAX_HIDDEN:
     raise ValueError(f"{op}: implementation='pallas' takes a hidden size (x.shape[-1]) of at "
                      f"most {pallas_norm.MAX_HIDDEN}, got {x.shape[-1]}; use 'xla'")
-  if x.size == 0:
-    impl = "xla"
+  if x.size == 0:  # Nothing to normalize (or no features): the plain formulas handle it.
+    reference = layer_norm_reference if centered else rms_norm_reference
+    params = (scale, bias) if centered else (scale,)
+    if residual is None:
+      return reference(x, *params, eps=eps)
+    z = x + residual
+    return reference(z, *params, eps=eps), z
   cfg = _Config(centered=centered, eps=float(eps), impl=impl,
                 interpret=impl == "pallas" and not dispatch.on_gpu())
   shape = x.shape
@@ -405,7 +410,8 @@ def add_rms_norm_unfused(x: jax.Array, residual: jax.Array, scale: jax.Array | N
   impl = dispatch.resolve(op, implementation, _UNFUSED_IMPLEMENTATIONS,
                           {"gpu": ("pallas",), "cpu": ("xla",)})
   if x.size == 0:
-    impl = "xla"
+    z = x + residual
+    return rms_norm_reference(z, scale, eps=eps), z
   cfg = _Config(centered=False, eps=float(eps), impl=impl,
                 interpret=impl == "pallas" and not dispatch.on_gpu())
   shape = x.shape

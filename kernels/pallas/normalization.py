@@ -19,7 +19,6 @@ Statistics (per-row mean and reciprocal standard deviation) are float32 arrays o
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -401,7 +400,3 @@ def _bind(kernel, **params):
   bound.__name__ = kernel.__name__
   return bound
 
-
-def rows_view(x) -> tuple[jax.Array, tuple[int, ...]]:
-  """``x`` as ``(rows, H)`` and its original shape."""
-  return x.reshape(math.prod(x.shape[:-1]), x.shape[-1]), x.shape
