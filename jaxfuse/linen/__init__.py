@@ -1,0 +1,6 @@
+"""Flax Linen modules over jaxfuse ops, with the same parameter names as their NNX twins."""
+
+from jaxfuse.linen.linear import RecomputeLinear
+from jaxfuse.linen.simple_nn import SimpleNN
+
+__all__ = ["RecomputeLinear", "SimpleNN"]

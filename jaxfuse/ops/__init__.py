@@ -2,7 +2,8 @@
 that chooses what the backward keeps; ``implementation=None | "pallas" | "triton" | "xla"``."""
 
 from jaxfuse.ops import activations
-from jaxfuse.ops.elementwise import add_act, add_act_reference, add_act_unfused
+from jaxfuse.ops.elementwise import add_act, add_act_reference, add_act_unfused, relu
+from jaxfuse.ops.linear import linear_reference, recompute_linear
 from jaxfuse.ops.dispatch import (IMPLEMENTATIONS, ImplementationUnavailableError, can_run,
                                   pallas_interpret)
 
@@ -14,5 +15,8 @@ __all__ = [
     "add_act_reference",
     "add_act_unfused",
     "can_run",
+    "linear_reference",
     "pallas_interpret",
+    "recompute_linear",
+    "relu",
 ]
