@@ -118,8 +118,10 @@ class Context:
     table = Table(title=title)
     for column in rec.COLUMNS:
       table.add_column(column, justify="left" if column in ("case", "impl", "dtype") else "right")
+    from rich.markup import escape
+
     for r in records:
-      table.add_row(*rec.row(r))
+      table.add_row(*(escape(cell) for cell in rec.row(r)))
     Console(width=200).print(table)
 
   def default_plot(self, records: Sequence[rec.Record], path: str) -> None:
