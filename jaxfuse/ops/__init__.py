@@ -2,7 +2,10 @@
 that chooses what the backward keeps; ``implementation=None | "pallas" | "triton" | "xla"``."""
 
 from jaxfuse.ops import activations
+from jaxfuse.ops.bias_activation import bias_act, bias_act_reference
 from jaxfuse.ops.elementwise import add_act, add_act_reference, add_act_unfused
+from jaxfuse.ops.gated_linear import glu, glu_reference
+from jaxfuse.ops.softmax_ops import softmax, softmax_reference
 from jaxfuse.ops.dispatch import (IMPLEMENTATIONS, ImplementationUnavailableError, can_run,
                                   pallas_interpret)
 
@@ -13,6 +16,12 @@ __all__ = [
     "add_act",
     "add_act_reference",
     "add_act_unfused",
+    "bias_act",
+    "bias_act_reference",
     "can_run",
+    "glu",
+    "glu_reference",
     "pallas_interpret",
+    "softmax",
+    "softmax_reference",
 ]
