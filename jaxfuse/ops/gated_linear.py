@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxfuse.kernels.pallas import gated_linear as pallas_gated_linear
-from jaxfuse.ops import activations, checks, dispatch
+from jaxfuse.ops import activation_grads, activations, checks, dispatch
 
 _IMPLEMENTATIONS = ("pallas", "triton", "xla")
 _PREFERENCE = {"gpu": ("pallas", "triton", "xla"), "cpu": ("xla",)}
@@ -133,7 +133,7 @@ def _forward(a, b, fn, name, impl, interpret):
   if b is None:
     a, b = _split(a)
   cd = _compute_dtype(a.dtype)
-  return (fn(a.astype(cd)) * b.astype(cd)).astype(a.dtype)
+  return (activation_grads.value(fn, a.astype(cd)) * b.astype(cd)).astype(a.dtype)
 
 
 def _backward(a, b, g, fn, name, impl, interpret):
@@ -152,14 +152,26 @@ def _backward(a, b, g, fn, name, impl, interpret):
   packed = b is None
   if packed:
     a, b = _split(a)
-  cd = _compute_dtype(a.dtype)
-  gc = g.astype(cd)
-  act, act_vjp = jax.vjp(fn, a.astype(cd))
-  da = act_vjp(gc * b.astype(cd))[0].astype(a.dtype)
-  db = (gc * act).astype(b.dtype)
+  da, db = _xla_backward(a, b, g, fn)
   if packed:
     return jnp.concatenate([da, db], axis=-1)
   return da, db
+
+
+def _xla_backward(a, b, g, fn):
+  """``da = g * b * act'(a)`` and ``db = g * act(a)``, each one fused loop over the inputs.
+
+  The activation is recomputed in each loop. The barriers keep XLA from computing it once and
+  sharing it (between the two gradients, or with the forward pass): XLA:CPU would then write it
+  to memory and read it back in three more loops, which measures about 1.5x slower here.
+  """
+  cd = _compute_dtype(a.dtype)
+  a1, b1, g1 = jax.lax.optimization_barrier((a, b, g))
+  _, grad = activation_grads.value_and_grad(fn, a1.astype(cd))
+  da = g1.astype(cd) * b1.astype(cd) * grad
+  a2, g2 = jax.lax.optimization_barrier((a, g))
+  db = g2.astype(cd) * activation_grads.value(fn, a2.astype(cd))
+  return da.astype(a.dtype), db.astype(b.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
