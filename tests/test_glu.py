@@ -70,7 +70,7 @@ def test_packed_form_and_feature_sizes(impl, n, pallas_mode):
 
 @pytest.mark.parametrize("impl", helpers.CPU_IMPLEMENTATIONS)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: jnp.dtype(d).name)
-@pytest.mark.parametrize("act", ["silu", "gelu", "gelu_tanh"])
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
 def test_low_precision_within_twice_torch_error(impl, dtype, act, pallas_mode):
   a, b, g = _inputs((33, 1000), dtype, seed=2)
   got = _jax(a, b, g, act, impl)
@@ -94,9 +94,10 @@ def test_user_function(impl, pallas_mode):
 def test_reference_takes_both_forms():
   a, b, _ = _inputs((4, 6), jnp.float32)
   packed = jnp.concatenate([a, b], axis=-1)
-  helpers.assert_close(glu_reference(packed, "gelu"), glu_reference(a, b, "gelu"), rtol=0,
-                       atol=0)
-  helpers.assert_close(glu(packed), glu(a, b, "silu"), rtol=0, atol=0)
+  got = jax.jit(lambda packed, a, b: (glu_reference(packed, "gelu"), glu_reference(a, b, "gelu"),
+                                      glu(packed), glu(a, b, "silu")))(packed, a, b)
+  helpers.assert_close(got[0], got[1], rtol=0, atol=0)
+  helpers.assert_close(got[2], got[3], rtol=0, atol=0)
 
 
 # Memory and traffic ------------------------------------------------------------------------------
@@ -126,9 +127,8 @@ def test_traffic_three_arrays_forward_five_backward(pallas_mode):
 # Lowering for GPUs -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("act", ACTS)
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16],
-                         ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("act, dtype", [(act, jnp.float32) for act in ACTS] + [
+    ("silu", jnp.bfloat16), ("gelu", jnp.float16)], ids=str)
 def test_pallas_kernels_lower_for_cuda(act, dtype):
   a, b, _ = _inputs((5, 17, 1000), dtype)
   step = jax.value_and_grad(lambda a, b: jnp.sum(
