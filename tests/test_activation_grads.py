@@ -15,7 +15,8 @@ NAMES = ["silu", "gelu", "gelu_tanh", "relu", "squared_relu", "sigmoid", "tanh",
 
 @pytest.mark.parametrize("name", NAMES)
 def test_value_and_grad_match_torch(name):
-  x = jnp.concatenate([jnp.linspace(-30.0, 30.0, 20001), jnp.array([0.0, -0.0, 1e-30])])
+  x = jnp.concatenate([jnp.linspace(-30.0, 30.0, 20001),
+                       jnp.array([0.0, -0.0, 1e-30, -100.0, -90.0, 90.0, 100.0])])
   value, grad = jax.jit(lambda x: activation_grads.value_and_grad(name, x))(x)
   tx = helpers.to_torch(x, requires_grad=True)
   ty = TORCH[name](tx)

@@ -32,9 +32,22 @@ _TANH_GELU_K = math.sqrt(2.0 / math.pi)
 _TANH_GELU_C = 0.044715
 
 
+def _sigmoid_parts(z):
+  """``(sigmoid(z), 1 - sigmoid(z))`` from one exp and one division, with neither cancellation
+  nor overflow: with ``t = exp(-|z|)`` they are ``1 / (1 + t)`` and ``t / (1 + t)``.
+
+  Written out rather than ``jax.nn.sigmoid``, whose XLA:CPU expansion costs about 1.5x more.
+  """
+  t = jnp.exp(-jnp.abs(z))
+  r = 1.0 / (1.0 + t)
+  tr = t * r
+  positive = z >= 0
+  return jnp.where(positive, r, tr), jnp.where(positive, tr, r)
+
+
 def _silu(x):
-  s = jax.nn.sigmoid(x)
-  return x * s, s * (1.0 + x * (1.0 - s))
+  s, one_minus_s = _sigmoid_parts(x)
+  return x * s, s * (1.0 + x * one_minus_s)
 
 
 def _gelu(x):
@@ -44,8 +57,8 @@ def _gelu(x):
 
 def _gelu_tanh(x):
   x2 = x * x
-  s = jax.nn.sigmoid(2.0 * _TANH_GELU_K * x * (1.0 + _TANH_GELU_C * x2))
-  grad = s + x * (s * (1.0 - s)) * (2.0 * _TANH_GELU_K) * (1.0 + 3.0 * _TANH_GELU_C * x2)
+  s, one_minus_s = _sigmoid_parts(2.0 * _TANH_GELU_K * x * (1.0 + _TANH_GELU_C * x2))
+  grad = s + x * (s * one_minus_s) * (2.0 * _TANH_GELU_K) * (1.0 + 3.0 * _TANH_GELU_C * x2)
   return x * s, grad
 
 
