@@ -245,7 +245,8 @@ def softmax_case(rows, n, dtype) -> Case:
           "jaxfuse-xla": lambda x: softmax(x, implementation="xla"),
           "jax-unfused": lambda x: jax.nn.softmax(x, axis=-1),
       },
-      torch_fn=lambda x: torch.softmax(x, dim=-1))
+      torch_fn=lambda x: torch.softmax(x, dim=-1),
+      notes={"jaxfuse-xla": "tokamax has no softmax op: no tokamax-xla row"})
 
 
 def _torch_act(act):
@@ -267,7 +268,8 @@ def bias_act_case(rows, n, act, dtype) -> Case:
           "jaxfuse-xla": lambda x, b: bias_act(x, b, act, implementation="xla"),
           "jax-unfused": lambda x, b: fn(x + b),
       },
-      torch_fn=lambda x, b: torch_act(x + b))
+      torch_fn=lambda x, b: torch_act(x + b),
+      notes={"jaxfuse-xla": "tokamax has no bias + activation op: no tokamax-xla row"})
 
 
 def glu_case(rows, h, act, dtype) -> Case:
@@ -286,7 +288,7 @@ def glu_case(rows, h, act, dtype) -> Case:
       make_inputs=lambda r: [_normal(3, (r, h), dtype, 2.0), _normal(4, (r, h), dtype)],
       rows=rows, n_diff=2, jax_fns=fns, torch_fn=lambda a, b: torch_act(a) * b,
       notes={"jaxfuse-xla": "tokamax has no elementwise GLU (its gated_linear_unit includes "
-                            "the projections: see the GatedMLP case)"})
+                            "the projections): no tokamax-xla row, see the gated_mlp case"})
 
 
 def _plain_gated_mlp(x, wg, wu, wd):
