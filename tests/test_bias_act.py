@@ -73,15 +73,18 @@ def test_low_precision_within_twice_torch_error(impl, dtype, act, pallas_mode):
     helpers.assert_within_torch_error(a, e, t, what=f"{act} {what}")
 
 
-def test_bias_gradient_sums_partial_row_groups():
-  """The backward kernel with several row groups and column blocks, tails in both."""
+def test_kernels_with_small_tiles_and_row_groups():
+  """Both kernels at GPU-like tile sizes (interpret mode): tails in both dimensions, and the
+  backward's bias partial sums over several row groups."""
   x, bias, g = _inputs((37, 300), jnp.float32, seed=3)
   fn = activations.gelu
-  run = jax.jit(lambda x, b, g: kernels.bias_act_backward(
-      x, b, g, fn, interpret=True, block_rows=8, block_cols=128, steps=2))
-  dx, dbias = run(x, bias, g)
-  _, vjp = jax.vjp(lambda x, b: fn(x + b), x, bias)
+  tiles = dict(interpret=True, block_rows=8, block_cols=128)
+  run = jax.jit(lambda x, b, g: (kernels.bias_act_forward(x, b, fn, **tiles),
+                                 kernels.bias_act_backward(x, b, g, fn, steps=2, **tiles)))
+  y, (dx, dbias) = run(x, bias, g)
+  want_y, vjp = jax.vjp(lambda x, b: fn(x + b), x, bias)
   want_dx, want_dbias = vjp(g)
+  helpers.assert_close(y, want_y)
   helpers.assert_close(dx, want_dx)
   helpers.assert_close(dbias, want_dbias, atol=1e-4)
   assert kernels.backward_plan(37, 300, interpret=False, block_rows=8, block_cols=128,

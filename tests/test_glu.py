@@ -91,6 +91,28 @@ def test_user_function(impl, pallas_mode):
   helpers.assert_close(db, g * jnp.sin(a) * a)
 
 
+def test_kernels_with_small_tiles():
+  """The kernels at GPU-like tile sizes (interpret mode): tails in both dimensions."""
+  from jaxfuse.kernels.pallas import gated_linear as kernels
+
+  a, b, g = _inputs((13, 300), jnp.float32, seed=4)
+  fn = activations.silu
+  kw = dict(interpret=True, block_rows=4, block_cols=128)
+
+  @jax.jit
+  def run(a, b, g):
+    x = jnp.concatenate([a, b], axis=-1)
+    return (kernels.glu_forward(a, b, fn, **kw), kernels.glu_backward(a, b, g, fn, **kw),
+            kernels.glu_forward(x, None, fn, **kw), kernels.glu_backward(x, None, g, fn, **kw))
+
+  y, (da, db), y_packed, dx = run(a, b, g)
+  want, vjp = jax.vjp(lambda a, b: fn(a) * b, a, b)
+  want_da, want_db = vjp(g)
+  for got, ref in ((y, want), (da, want_da), (db, want_db), (y_packed, want),
+                   (dx, jnp.concatenate([want_da, want_db], axis=-1))):
+    helpers.assert_close(got, ref)
+
+
 def test_reference_takes_both_forms():
   a, b, _ = _inputs((4, 6), jnp.float32)
   packed = jnp.concatenate([a, b], axis=-1)
