@@ -61,8 +61,7 @@ def test_feature_sizes(impl, n, pallas_mode):
 
 
 @pytest.mark.parametrize("impl", helpers.CPU_IMPLEMENTATIONS)
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: jnp.dtype(d).name)
-@pytest.mark.parametrize("act", ["gelu", "silu"])
+@pytest.mark.parametrize("dtype, act", [(jnp.bfloat16, "gelu"), (jnp.float16, "silu")], ids=str)
 def test_low_precision_within_twice_torch_error(impl, dtype, act, pallas_mode):
   x, bias, g = _inputs((33, 1000), dtype, seed=2)
   got = _jax(x, bias, g, act, impl)
@@ -111,8 +110,9 @@ def test_traffic_is_read_x_write_y(pallas_mode):
 # Lowering for GPUs -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("act, dtype", [(act, jnp.float32) for act in ACTS] + [
-    ("gelu", jnp.bfloat16), ("silu", jnp.float16)], ids=str)
+@pytest.mark.parametrize("act, dtype", [
+    ("gelu", jnp.float32), ("gelu_tanh", jnp.float32), ("squared_relu", jnp.float32),
+    ("silu", jnp.bfloat16), ("relu", jnp.float16)], ids=str)
 def test_pallas_kernels_lower_for_cuda(act, dtype):
   x, bias, _ = _inputs((5, 17, 1000), dtype)
   step = jax.value_and_grad(lambda x, b: jnp.sum(
