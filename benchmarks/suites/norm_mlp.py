@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import random
 import statistics
 from collections.abc import Callable, Sequence
 
@@ -108,20 +109,23 @@ def _sync(out):
   return jax.block_until_ready(out)
 
 
-def time_rotated(ctx, candidates: dict[str, Callable]) -> dict[str, dict]:
-  """Interleaved timing whose round-robin starts one candidate later each round.
+def time_shuffled(ctx, candidates: dict[str, Callable]) -> dict[str, dict]:
+  """Interleaved timing in a different (seeded, random) order each round.
 
-  In a fixed order, the call right after a torch call measures 15-30% slower here (torch's
-  OpenMP threads are still busy when it starts), which would always hit the same candidate.
-  Rotating the order spreads that over all of them. Median, min and max in ms of
-  ``max(ctx.n_runs, len(candidates))`` calls each, after warm-up.
+  In a fixed round-robin order, the call right after a torch call measures 15-30% slower here
+  (torch's OpenMP threads are still busy when it starts), and that always hits the same
+  candidate; rotating the order does not help, since it keeps who follows whom. Shuffling each
+  round spreads it over all candidates. Median, min and max in ms of ``--runs`` calls each
+  (default: twice the number of candidates in quick mode, else ``max(ctx.n_runs, candidates)``),
+  after warm-up.
   """
   names = list(candidates)
-  runs = max(ctx.n_runs, len(names))
-  timing.interleaved(candidates, warmup=2, runs=1, sync=_sync)  # warm-up
+  runs = ctx.runs or (2 * len(names) if ctx.quick else max(ctx.n_runs, len(names)))
+  timing.interleaved(candidates, warmup=1, runs=1, sync=_sync)  # warm-up
   samples: dict[str, list[float]] = {name: [] for name in names}
-  for r in range(runs):
-    order = names[r % len(names):] + names[:r % len(names)]
+  shuffler = random.Random(0)
+  for _ in range(runs):
+    order = shuffler.sample(names, len(names))
     once = timing.interleaved({n: candidates[n] for n in order}, warmup=0, runs=1, sync=_sync)
     for name in order:
       samples[name].append(once[name].median)
@@ -170,7 +174,7 @@ def run_case(ctx, case: Case, dtype) -> list[Record]:
     timed[impl] = (lambda step: lambda: step(*t_inputs))(step)
 
   ctx.step(f"{case.name}: timing {len(timed)} implementations")
-  times = time_rotated(ctx, timed)
+  times = time_shuffled(ctx, timed)
   peers = {impl: times[impl]["median"] for impl in PEERS if impl in times}
   fastest = min(peers, key=peers.get)
 
