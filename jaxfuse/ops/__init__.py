@@ -2,10 +2,13 @@
 that chooses what the backward keeps; ``implementation=None | "pallas" | "triton" | "xla"``."""
 
 from jaxfuse.ops import activations
-from jaxfuse.ops.elementwise import add_act, add_act_reference, add_act_unfused, relu
-from jaxfuse.ops.linear import linear_reference, recompute_linear
+from jaxfuse.ops.bias_activation import bias_act, bias_act_reference
 from jaxfuse.ops.dispatch import (IMPLEMENTATIONS, ImplementationUnavailableError, can_run,
                                   pallas_interpret)
+from jaxfuse.ops.elementwise import add_act, add_act_reference, add_act_unfused, relu
+from jaxfuse.ops.gated_linear import glu, glu_reference
+from jaxfuse.ops.linear import linear_reference, recompute_linear
+from jaxfuse.ops.softmax_ops import softmax, softmax_reference
 
 __all__ = [
     "IMPLEMENTATIONS",
@@ -14,9 +17,15 @@ __all__ = [
     "add_act",
     "add_act_reference",
     "add_act_unfused",
+    "bias_act",
+    "bias_act_reference",
     "can_run",
+    "glu",
+    "glu_reference",
     "linear_reference",
     "pallas_interpret",
     "recompute_linear",
     "relu",
+    "softmax",
+    "softmax_reference",
 ]
