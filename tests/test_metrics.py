@@ -77,10 +77,16 @@ def test_xla_cost_reports_bytes():
 
 def test_timing_interleaves_and_counts_runs():
   calls = []
-  timings = metrics.interleaved({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")},
-                                warmup=1, runs=3, sync=lambda out: out)
-  assert calls == ["a", "b", "a", "b", "a", "b", "a", "b"]
-  assert timings["a"].runs == 3 and timings["a"].min <= timings["a"].median <= timings["a"].max
+  fns = {name: (lambda name=name: calls.append(name)) for name in "abc"}
+  timings = metrics.interleaved(fns, warmup=1, runs=4, sync=lambda out: out)
+  assert calls[:3] == ["a", "b", "c"]  # warm-up
+  rounds = [calls[3 + 3 * i: 6 + 3 * i] for i in range(4)]
+  assert all(sorted(r) == ["a", "b", "c"] for r in rounds)  # every candidate once per round
+  assert len({tuple(r) for r in rounds}) > 1  # in shuffled orders
+  assert timings["a"].runs == 4 and timings["a"].min <= timings["a"].median <= timings["a"].max
+  calls.clear()
+  metrics.interleaved(fns, warmup=0, runs=2, sync=lambda out: out, shuffle_seed=None)
+  assert calls == ["a", "b", "c", "a", "b", "c"]
 
 
 def test_peak_bytes_is_none_or_positive():

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import random
-import statistics
 from collections.abc import Callable, Sequence
 
 import jax
@@ -32,7 +30,7 @@ import numpy as np
 import jaxfuse
 from benchmarks import harness
 from benchmarks.records import Record
-from jaxfuse.metrics import bytes_moved, residual_bytes, timing, torch_residual_bytes
+from jaxfuse.metrics import bytes_moved, residual_bytes, torch_residual_bytes
 from jaxfuse.ops import activations, bias_act, glu, softmax
 from jaxfuse.remat import mlp as blocks
 
@@ -109,30 +107,6 @@ def _sync(out):
   return jax.block_until_ready(out)
 
 
-def time_shuffled(ctx, candidates: dict[str, Callable]) -> dict[str, dict]:
-  """Interleaved timing in a different (seeded, random) order each round.
-
-  In a fixed round-robin order, the call right after a torch call measures 15-30% slower here
-  (torch's OpenMP threads are still busy when it starts), and that always hits the same
-  candidate; rotating the order does not help, since it keeps who follows whom. Shuffling each
-  round spreads it over all candidates. Median, min and max in ms of ``--runs`` calls each
-  (default: twice the number of candidates in quick mode, else ``max(ctx.n_runs, candidates)``),
-  after warm-up.
-  """
-  names = list(candidates)
-  runs = ctx.runs or (2 * len(names) if ctx.quick else max(ctx.n_runs, len(names)))
-  timing.interleaved(candidates, warmup=1, runs=1, sync=_sync)  # warm-up
-  samples: dict[str, list[float]] = {name: [] for name in names}
-  shuffler = random.Random(0)
-  for _ in range(runs):
-    order = shuffler.sample(names, len(names))
-    once = timing.interleaved({n: candidates[n] for n in order}, warmup=0, runs=1, sync=_sync)
-    for name in order:
-      samples[name].append(once[name].median)
-  return {name: {"median": statistics.median(v), "min": min(v), "max": max(v)}
-          for name, v in samples.items()}
-
-
 def _errors(got, want) -> tuple[float, float]:
   y, grads = got
   ty, tgrads = want
@@ -174,7 +148,7 @@ def run_case(ctx, case: Case, dtype) -> list[Record]:
     timed[impl] = (lambda step: lambda: step(*t_inputs))(step)
 
   ctx.step(f"{case.name}: timing {len(timed)} implementations")
-  times = time_shuffled(ctx, timed)
+  times = ctx.time(timed, warmup=1, sync=_sync)
   peers = {impl: times[impl]["median"] for impl in PEERS if impl in times}
   fastest = min(peers, key=peers.get)
 
@@ -322,7 +296,7 @@ def gated_mlp_case(tokens, d, hidden, dtype) -> Case:
   }
   notes = {"jaxfuse-pallas": "bytes_moved: the GLU kernels only (the matmuls are XLA's)",
            "jaxfuse-xla": "keeps gate and up; recomputes the hidden activation"}
-  tokamax = _tokamax()
+  tokamax = harness.tokamax()
   if tokamax is not None:
     def tokamax_mlp(x, wg, wu, wd):
       hidden_act = tokamax.gated_linear_unit(x, (wg, wu), activation=jax.nn.silu,
@@ -334,19 +308,6 @@ def gated_mlp_case(tokens, d, hidden, dtype) -> Case:
     notes["jax-unfused"] = "tokamax is not installed: no tokamax-xla row"
   return Case(name=f"gated_mlp {tokens}x{d}->{hidden}", make_inputs=make, rows=tokens, n_diff=4,
               jax_fns=fns, torch_fn=torch_mlp, notes=notes)
-
-
-def _tokamax():
-  try:
-    import tokamax
-    from absl import flags
-  except Exception:  # noqa: BLE001 - a peer that does not import is skipped with a note.
-    return None
-  # tokamax reads its options from absl flags, parsing sys.argv on first use, which fails on this
-  # CLI's own arguments (--quick): use the flags' defaults instead.
-  if not flags.FLAGS.is_parsed():
-    flags.FLAGS.mark_as_parsed()
-  return tokamax
 
 
 def cases(ctx) -> Sequence[tuple[Case, object]]:
