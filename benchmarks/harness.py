@@ -38,6 +38,22 @@ def max_abs_err(got, want) -> float:
   return worst
 
 
+def tokamax():
+  """tokamax, or None when it is not installed (a peer row is then skipped with a note).
+
+  tokamax reads its options from absl flags and parses sys.argv on first use, which fails on
+  this CLI's own arguments (``--quick``): its flags keep their defaults instead.
+  """
+  try:
+    import tokamax as module
+    from absl import flags
+  except Exception:  # noqa: BLE001 - any import failure means the peer is not available.
+    return None
+  if not flags.FLAGS.is_parsed():
+    flags.FLAGS.mark_as_parsed()
+  return module
+
+
 def torch_sync(out):
   """Torch on CPU is synchronous; on CUDA wait for the stream."""
   import torch
@@ -98,7 +114,7 @@ class Context:
 
   def time(self, candidates: Mapping[str, Callable[[], object]], *, warmup: int = 2,
            sync: Callable[[object], object] | None = None) -> dict[str, dict]:
-    """Interleaved median/min/max in ms for each candidate (round-robin, after warm-up)."""
+    """Interleaved median/min/max in ms for each candidate (shuffled rounds, after warm-up)."""
     if not candidates:
       return {}
     timings = timing.interleaved(candidates, warmup=warmup, runs=self.n_runs,
@@ -118,8 +134,10 @@ class Context:
     table = Table(title=title)
     for column in rec.COLUMNS:
       table.add_column(column, justify="left" if column in ("case", "impl", "dtype") else "right")
+    from rich.markup import escape
+
     for r in records:
-      table.add_row(*rec.row(r))
+      table.add_row(*(escape(cell) for cell in rec.row(r)))
     Console(width=200).print(table)
 
   def default_plot(self, records: Sequence[rec.Record], path: str) -> None:

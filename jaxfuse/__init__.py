@@ -7,7 +7,7 @@
 - :mod:`jaxfuse.metrics`: residual bytes, bytes moved, timing.
 """
 
-from jaxfuse import metrics, ops, remat
+from jaxfuse import interop, linen, metrics, nnx, ops, remat
 from jaxfuse.ops.dispatch import ImplementationUnavailableError, pallas_interpret
 from jaxfuse.remat import recompute
 
@@ -15,7 +15,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ImplementationUnavailableError",
+    "interop",
+    "linen",
     "metrics",
+    "nnx",
     "ops",
     "pallas_interpret",
     "recompute",

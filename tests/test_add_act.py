@@ -211,3 +211,14 @@ def test_kernels_need_a_gpu_or_interpret_mode():
   with pytest.raises(jaxfuse.ImplementationUnavailableError, match="Triton kernels need a GPU"):
     add_act(a, a, implementation="triton")
   assert jnp.array_equal(add_act(a, a), add_act(a, a, implementation="xla"))
+
+
+@pytest.mark.skipif(not jaxfuse.ops.dispatch.runs_natively("triton"),
+                    reason="needs a GPU and jax-triton")
+@pytest.mark.parametrize("act", ["relu", "gelu", "gelu_tanh", "silu", "tanh"])
+def test_triton_implementation_matches_torch(act):
+  a, b, g = _inputs((5, 123, 123), jnp.float32, seed=7)
+  got = _jax_value_and_grads(add_act, a, b, g, act, "triton")
+  want = _torch_value_and_grads(a, b, g, act)
+  for x, y in zip(got, want):
+    helpers.assert_close(x, y)

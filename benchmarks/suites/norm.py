@@ -360,19 +360,6 @@ def _add_chain_ratio(records) -> None:
 # The suite --------------------------------------------------------------------------------------
 
 
-def _tokamax():
-  try:
-    import tokamax
-    from absl import flags
-  except Exception:  # noqa: BLE001 - a peer that does not import is skipped with a note.
-    return None
-  # tokamax reads absl flags, parsing sys.argv on first use, which fails on this CLI's own
-  # arguments (--quick): use the flags' defaults.
-  if not flags.FLAGS.is_parsed():
-    flags.FLAGS.mark_as_parsed()
-  return tokamax
-
-
 def cases(ctx) -> list[Case]:
   dtype = jnp.float32 if ctx.platform == "cpu" else jnp.bfloat16
   rows, hidden = (4096, 1024) if ctx.quick else (16384, 4096)
@@ -380,7 +367,7 @@ def cases(ctx) -> list[Case]:
 
 
 def run(ctx) -> list[Record]:
-  tokamax = _tokamax()
+  tokamax = harness.tokamax()
   records: list[Record] = []
   for case in cases(ctx):
     records.extend(run_case(ctx, case, tokamax))

@@ -1,5 +1,8 @@
-"""Flax Linen modules over jaxfuse's ops: thin, they hold parameters and call the fused ops."""
+"""Flax Linen modules over jaxfuse ops, with the same parameter names as their NNX twins."""
 
+from jaxfuse.linen.linear import RecomputeLinear
+from jaxfuse.linen.mlp import MLP, GatedMLP
 from jaxfuse.linen.normalization import LayerNorm, RMSNorm
+from jaxfuse.linen.simple_nn import SimpleNN
 
-__all__ = ["LayerNorm", "RMSNorm"]
+__all__ = ["GatedMLP", "LayerNorm", "MLP", "RMSNorm", "RecomputeLinear", "SimpleNN"]

@@ -52,6 +52,8 @@ def kernel_costs(f, *args, **kwargs) -> list[KernelCost]:
   """The Pallas kernels ``f(*args)`` launches, in trace order, with their cost estimates.
 
   Both branches of a ``cond`` are counted, and a kernel inside ``scan`` counts once per step.
+  Kernels whose outputs are unused are counted too (XLA would drop them): measure the function
+  whose outputs you use, e.g. ``value_and_grad`` rather than ``grad`` of a loss.
   """
   closed = jax.make_jaxpr(lambda *a: f(*a, **kwargs))(*args)
   out: list[KernelCost] = []

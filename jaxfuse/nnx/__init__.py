@@ -1,5 +1,8 @@
-"""Flax NNX modules over jaxfuse's ops: thin, they hold parameters and call the fused ops."""
+"""Flax NNX modules over jaxfuse ops: thin, they hold parameters and call pure-array ops."""
 
+from jaxfuse.nnx.linear import RecomputeLinear
+from jaxfuse.nnx.mlp import MLP, GatedMLP
 from jaxfuse.nnx.normalization import LayerNorm, RMSNorm
+from jaxfuse.nnx.simple_nn import SimpleNN
 
-__all__ = ["LayerNorm", "RMSNorm"]
+__all__ = ["GatedMLP", "LayerNorm", "MLP", "RMSNorm", "RecomputeLinear", "SimpleNN"]

@@ -2,12 +2,16 @@
 that chooses what the backward keeps; ``implementation=None | "pallas" | "triton" | "xla"``."""
 
 from jaxfuse.ops import activations
-from jaxfuse.ops.elementwise import add_act, add_act_reference, add_act_unfused
+from jaxfuse.ops.bias_activation import bias_act, bias_act_reference
 from jaxfuse.ops.dispatch import (IMPLEMENTATIONS, ImplementationUnavailableError, can_run,
                                   pallas_interpret)
+from jaxfuse.ops.elementwise import add_act, add_act_reference, add_act_unfused, relu
+from jaxfuse.ops.gated_linear import glu, glu_reference
+from jaxfuse.ops.linear import linear_reference, recompute_linear
 from jaxfuse.ops.normalization import (add_layer_norm, add_layer_norm_reference, add_rms_norm,
-                                       add_rms_norm_reference, add_rms_norm_unfused, layer_norm, layer_norm_reference,
-                                       rms_norm, rms_norm_reference)
+                                       add_rms_norm_reference, add_rms_norm_unfused, layer_norm,
+                                       layer_norm_reference, rms_norm, rms_norm_reference)
+from jaxfuse.ops.softmax_ops import softmax, softmax_reference
 
 __all__ = [
     "IMPLEMENTATIONS",
@@ -21,10 +25,19 @@ __all__ = [
     "add_rms_norm",
     "add_rms_norm_reference",
     "add_rms_norm_unfused",
+    "bias_act",
+    "bias_act_reference",
     "can_run",
+    "glu",
+    "glu_reference",
     "layer_norm",
     "layer_norm_reference",
+    "linear_reference",
     "pallas_interpret",
+    "recompute_linear",
+    "relu",
     "rms_norm",
     "rms_norm_reference",
+    "softmax",
+    "softmax_reference",
 ]

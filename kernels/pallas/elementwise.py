@@ -113,3 +113,10 @@ def act_backward(c, g, fn, *, interpret=False, block_size=None):
   return elementwise_call(lambda x, dy: (_vjp(fn, x, dy),), [c, g], [c.dtype],
                           name="act_bwd", interpret=interpret, block_size=block_size,
                           reference=lambda x, dy: _vjp(fn, x, dy))[0]
+
+
+def relu_backward_from_output(y, g, *, interpret=False, block_size=None):
+  """``g`` where ``y > 0``, else 0: relu's backward from its saved output (as torch keeps)."""
+  return elementwise_call(lambda out, dy: (jnp.where(out > 0, dy, jnp.zeros_like(dy)),),
+                          [y, g], [g.dtype], name="relu_bwd", interpret=interpret,
+                          block_size=block_size)[0]

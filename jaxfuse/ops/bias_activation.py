@@ -1,0 +1,121 @@
+"""``act(x + bias)`` fused, keeping only the inputs for the backward pass.
+
+The forward reads ``x`` and the bias and writes the result. The backward recomputes ``x + bias``
+from the inputs (nothing else is kept), writes ``dx = g * act'(x + bias)`` and reduces it over
+every leading axis into the bias gradient. Low-precision inputs are computed in float32 and rounded
+once; the bias gradient is accumulated in float32.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from jaxfuse.kernels.pallas import bias_activation as pallas_bias_activation
+from jaxfuse.ops import activation_grads, activations, checks, dispatch
+
+_IMPLEMENTATIONS = ("pallas", "xla")
+# XLA fuses an elementwise chain and its bias reduction well on GPUs too; the Pallas kernels are
+# there to own the traffic explicitly (and measured against it).
+_PREFERENCE = {"gpu": ("pallas", "xla"), "cpu": ("xla",)}
+BIAS_ACT_ACTIVATIONS = ("gelu", "gelu_tanh", "silu", "relu", "squared_relu")
+
+
+def _compute_dtype(dtype):
+  return jnp.promote_types(dtype, jnp.float32)
+
+
+def bias_act_reference(x: jax.Array, bias: jax.Array, act: str | Callable = "gelu") -> jax.Array:
+  """Plain-jnp ``act(x + bias)``, computed in float32 for low-precision inputs."""
+  fn = activations.get(act, arg="act")
+  cd = _compute_dtype(x.dtype)
+  return fn(x.astype(cd) + bias.astype(cd)).astype(x.dtype)
+
+
+def _check(op, x, bias):
+  checks.floating(op, "x", x)
+  checks.floating(op, "bias", bias)
+  checks.same_dtype(op, ("x", "bias"), (x, bias))
+  if x.ndim == 0:
+    raise ValueError(f"{op}: x must have rank >= 1 (features last), got shape ()")
+  checks.rank(op, "bias", bias, 1)
+  checks.dim(op, "bias", bias, 0, x.shape[-1], "the last axis of x")
+
+
+def bias_act(x: jax.Array, bias: jax.Array, act: str | Callable = "gelu", *,
+             implementation: str | None = None) -> jax.Array:
+  """``act(x + bias)`` over the last axis, fused, keeping only the inputs for the backward.
+
+  Args:
+    x: a float array ``(..., features)`` (float32, bfloat16 or float16), e.g. a matmul output.
+    bias: ``(features,)``, the same dtype as ``x``.
+    act: ``"gelu"`` (exact, as ``F.gelu``), ``"gelu_tanh"`` (``F.gelu(approximate="tanh")``),
+      ``"silu"``, ``"relu"``, ``"squared_relu"``, another name from
+      :data:`jaxfuse.ops.activations.ACTIVATIONS`, or an elementwise jnp function.
+    implementation: ``None`` (the fastest here), ``"pallas"`` or ``"xla"``.
+
+  Returns:
+    ``act(x + bias)`` in the dtype of ``x``. Its gradient for ``bias`` is the sum over every
+    leading axis of ``x``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxfuse.ops import bias_act
+    >>> bias_act(jnp.array([[1.0, -2.0]]), jnp.array([0.5, 1.0]), "relu")
+    Array([[1.5, 0. ]], dtype=float32)
+  """
+  op = "bias_act"
+  _check(op, x, bias)
+  fn = activations.get(act, arg="act")
+  impl = dispatch.resolve(op, implementation, _IMPLEMENTATIONS, _PREFERENCE)
+  interpret = impl == "pallas" and not dispatch.on_gpu()
+  name = activations.name_of(act)
+  with jax.named_scope(f"jaxfuse.bias_act[{name or 'fn'}]"):
+    return _bias_act(x, bias, fn, impl, interpret)
+
+
+def _forward(x, bias, fn, impl, interpret):
+  if impl == "pallas":
+    n = x.shape[-1]
+    y = pallas_bias_activation.bias_act_forward(x.reshape(-1, n), bias, fn, interpret=interpret)
+    return y.reshape(x.shape)
+  cd = _compute_dtype(x.dtype)
+  return activation_grads.value(fn, x.astype(cd) + bias.astype(cd)).astype(x.dtype)
+
+
+def _backward(x, bias, g, fn, impl, interpret):
+  if impl == "pallas":
+    n = x.shape[-1]
+    dx, dbias = pallas_bias_activation.bias_act_backward(
+        x.reshape(-1, n), bias, g.reshape(-1, n), fn, interpret=interpret)
+    return dx.reshape(x.shape), dbias
+  # The barrier keeps XLA from sharing the activation's intermediates with the forward pass
+  # (which would write them to memory and read them back): the backward is one fused loop over
+  # the inputs, plus the bias reduction.
+  x, bias, g = jax.lax.optimization_barrier((x, bias, g))
+  cd = _compute_dtype(x.dtype)
+  _, grad = activation_grads.value_and_grad(fn, x.astype(cd) + bias.astype(cd))
+  dz = g.astype(cd) * grad
+  dbias = jnp.sum(dz.astype(jnp.float32), axis=tuple(range(x.ndim - 1)))
+  return dz.astype(x.dtype), dbias.astype(bias.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _bias_act(x, bias, fn, impl, interpret):
+  return _forward(x, bias, fn, impl, interpret)
+
+
+def _bias_act_fwd(x, bias, fn, impl, interpret):
+  # Residuals: the inputs only; x + bias and the activation are recomputed in the backward.
+  return _forward(x, bias, fn, impl, interpret), (x, bias)
+
+
+def _bias_act_bwd(fn, impl, interpret, residuals, g):
+  x, bias = residuals
+  return _backward(x, bias, g, fn, impl, interpret)
+
+
+_bias_act.defvjp(_bias_act_fwd, _bias_act_bwd, optimize_remat=True)

@@ -1,0 +1,144 @@
+"""Softmax with an optional boolean mask, whose backward keeps only the output.
+
+``softmax(x)`` reads its row once (with a numerically stable max) and writes the result; the
+backward ``dx = scale * y * (g - sum(g * y))`` needs only that output ``y``, so ``y`` is the one
+array kept between the passes. Low-precision inputs are computed in float32 and rounded once.
+"""
+
+from __future__ import annotations
+
+import functools
+import numbers
+
+import jax
+import jax.numpy as jnp
+
+from jaxfuse.kernels.pallas import softmax as pallas_softmax
+from jaxfuse.ops import checks, dispatch
+
+_IMPLEMENTATIONS = ("pallas", "xla")
+_PREFERENCE = {"gpu": ("pallas", "xla"), "cpu": ("xla",)}
+
+
+def _compute_dtype(dtype):
+  return jnp.promote_types(dtype, jnp.float32)
+
+
+def softmax_reference(x: jax.Array, *, axis: int = -1, scale: float = 1.0,
+                      mask: jax.Array | None = None) -> jax.Array:
+  """Plain-jnp ``softmax(scale * x)`` over ``axis`` in float32; masked-out rows give zeros."""
+  z = x.astype(_compute_dtype(x.dtype))
+  if scale != 1.0:
+    z = z * scale
+  if mask is not None:
+    z = jnp.where(mask, z, -jnp.inf)
+  # A row with no kept entry has max -inf: the floor keeps exp(z - m) at 0 there (not NaN), and
+  # its sum of 0 is lifted to 1. Any other row has a sum >= 1 (its max contributes exp(0)).
+  m = jnp.maximum(jnp.max(z, axis=axis, keepdims=True), jnp.finfo(z.dtype).min)
+  e = jnp.exp(z - m)
+  l = jnp.sum(e, axis=axis, keepdims=True)
+  return (e * (1.0 / jnp.maximum(l, 1.0))).astype(x.dtype)
+
+
+def _check(op, x, axis, scale, mask):
+  checks.floating(op, "x", x)
+  if isinstance(axis, bool) or not isinstance(axis, numbers.Integral):
+    raise TypeError(f"{op}: axis must be an int, got {type(axis).__name__}")
+  if not -x.ndim <= axis < max(x.ndim, 1) or x.ndim == 0:
+    raise ValueError(f"{op}: axis {axis} is out of range for x of shape {tuple(x.shape)}")
+  if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+    raise TypeError(f"{op}: scale must be a Python float, got {type(scale).__name__}")
+  if mask is not None:
+    dtype = getattr(mask, "dtype", None)
+    if dtype is None or jnp.dtype(dtype) != jnp.bool_:
+      got = jnp.dtype(dtype).name if dtype is not None else type(mask).__name__
+      raise TypeError(f"{op}: mask must be a boolean array (True = keep), got {got}")
+    try:
+      shape = jnp.broadcast_shapes(mask.shape, x.shape)
+    except ValueError:
+      shape = None
+    if shape != tuple(x.shape):
+      raise ValueError(f"{op}: mask must broadcast to the shape of x {tuple(x.shape)}, got "
+                       f"shape {tuple(mask.shape)}")
+
+
+def softmax(x: jax.Array, *, axis: int = -1, scale: float = 1.0, mask: jax.Array | None = None,
+            implementation: str | None = None) -> jax.Array:
+  """``softmax(scale * x)`` along ``axis``, keeping only the output for the backward pass.
+
+  Args:
+    x: a float array (float32, bfloat16 or float16).
+    axis: the axis to normalize over.
+    scale: a Python float multiplying ``x`` first (attention's ``1/sqrt(d)``).
+    mask: an optional boolean array broadcastable to ``x``; True keeps an entry, False drops it
+      (its probability is 0). A row with no kept entry (or whose entries are all ``-inf``) comes
+      out as zeros, and its gradient as zeros. ``torch.softmax`` returns NaN for such a row.
+    implementation: ``None`` (the fastest here), ``"pallas"`` or ``"xla"``.
+
+  Returns:
+    An array like ``x`` whose entries along ``axis`` are non-negative and sum to 1.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxfuse.ops import softmax
+    >>> softmax(jnp.array([[0.0, 0.0], [1e4, 1e4]]))
+    Array([[0.5, 0.5],
+           [0.5, 0.5]], dtype=float32)
+    >>> softmax(jnp.array([1.0, 2.0, 3.0]), mask=jnp.array([True, False, False]))
+    Array([1., 0., 0.], dtype=float32)
+  """
+  op = "softmax"
+  _check(op, x, axis, scale, mask)
+  impl = dispatch.resolve(op, implementation, _IMPLEMENTATIONS, _PREFERENCE)
+  interpret = impl == "pallas" and not dispatch.on_gpu()
+  axis = axis % x.ndim
+  with jax.named_scope("jaxfuse.softmax"):
+    return _softmax(x, mask, axis, float(scale), impl, interpret)
+
+
+def _to_rows(x, axis):
+  """``x`` with ``axis`` moved last and the rest flattened: ``(rows, n)``, plus how to undo it."""
+  moved = jnp.moveaxis(x, axis, -1)
+  shape = moved.shape
+  return moved.reshape(-1, shape[-1]), lambda y: jnp.moveaxis(y.reshape(shape), -1, axis)
+
+
+def _forward(x, mask, axis, scale, impl, interpret):
+  if impl == "pallas":
+    rows, undo = _to_rows(x, axis)
+    mask_rows = None
+    if mask is not None:
+      mask_rows, _ = _to_rows(jnp.broadcast_to(mask, x.shape), axis)
+    return undo(pallas_softmax.softmax_forward(rows, mask_rows, scale=scale,
+                                               interpret=interpret))
+  return softmax_reference(x, axis=axis, scale=scale, mask=mask)
+
+
+def _backward(y, g, axis, scale, impl, interpret):
+  if impl == "pallas":
+    y_rows, undo = _to_rows(y, axis)
+    g_rows, _ = _to_rows(g, axis)
+    return undo(pallas_softmax.softmax_backward(y_rows, g_rows, scale=scale,
+                                                interpret=interpret))
+  cd = _compute_dtype(y.dtype)
+  yc, gc = y.astype(cd), g.astype(cd)
+  dot = jnp.sum(yc * gc, axis=axis, keepdims=True)
+  return (scale * yc * (gc - dot)).astype(y.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _softmax(x, mask, axis, scale, impl, interpret):
+  return _forward(x, mask, axis, scale, impl, interpret)
+
+
+def _softmax_fwd(x, mask, axis, scale, impl, interpret):
+  y = _forward(x, mask, axis, scale, impl, interpret)
+  # The one residual: the output. Masked entries of y are 0, so the backward needs no mask.
+  return y, y
+
+
+def _softmax_bwd(axis, scale, impl, interpret, y, g):
+  return _backward(y, g, axis, scale, impl, interpret), None
+
+
+_softmax.defvjp(_softmax_fwd, _softmax_bwd, optimize_remat=True)

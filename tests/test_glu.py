@@ -1,0 +1,203 @@
+"""glu (SwiGLU, GEGLU, ReGLU) against torch's ``act(a) * b``: both forms, both gradients,
+kernels, errors."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+import torch
+
+import jaxfuse
+from jaxfuse.metrics import bytes_moved, residual_bytes
+from jaxfuse.ops import activations, glu, glu_reference
+from tests import helpers
+from tests.torch_ref import mlp as ref
+
+ACTS = ["silu", "gelu", "gelu_tanh", "relu"]
+SIZES = [64, 768, 1000, 4097, 8192]
+
+
+def _inputs(shape, dtype, seed=0):
+  ka, kb, kg = jax.random.split(jax.random.key(seed), 3)
+  a = (2 * jax.random.normal(ka, shape)).astype(dtype)
+  b = jax.random.normal(kb, shape).astype(dtype)
+  g = jax.random.normal(kg, shape).astype(dtype)
+  return a, b, g
+
+
+def _jax(a, b, g, act, impl):
+  @jax.jit
+  def run(a, b, g):
+    y, vjp = jax.vjp(lambda a, b: glu(a, b, act, implementation=impl), a, b)
+    return (y, *vjp(g))
+  return run(a, b, g)
+
+
+def _jax_packed(x, g, act, impl):
+  @jax.jit
+  def run(x, g):
+    y, vjp = jax.vjp(lambda x: glu(x, act, implementation=impl), x)
+    return y, vjp(g)[0]
+  return run(x, g)
+
+
+def _torch(a, b, g, act, dtype=None):
+  ta = helpers.to_torch(a, dtype, requires_grad=True)
+  tb = helpers.to_torch(b, dtype, requires_grad=True)
+  y = ref.glu(ta, tb, act)
+  y.backward(helpers.to_torch(g, dtype))
+  return y, ta.grad, tb.grad
+
+
+@pytest.mark.parametrize("impl", helpers.CPU_IMPLEMENTATIONS)
+@pytest.mark.parametrize("act", ACTS)
+def test_fp32_matches_torch_for_every_activation(impl, act, pallas_mode):
+  a, b, g = _inputs((5, 37, 123), jnp.float32, seed=1)
+  for got, want, what in zip(_jax(a, b, g, act, impl), _torch(a, b, g, act),
+                             ("out", "grad a", "grad b")):
+    helpers.assert_close(got, want, what=f"{act} {what}")
+
+
+@pytest.mark.parametrize("impl", helpers.CPU_IMPLEMENTATIONS)
+@pytest.mark.parametrize("n", SIZES)
+def test_packed_form_and_feature_sizes(impl, n, pallas_mode):
+  """glu(x, act) on x = [a | b] matches torch on the two halves; dx = [da | db]."""
+  a, b, g = _inputs((3, n), jnp.float32, seed=n)
+  y, dx = _jax_packed(jnp.concatenate([a, b], axis=-1), g, "silu", impl)
+  ty, da, db = _torch(a, b, g, "silu")
+  helpers.assert_close(y, ty)
+  helpers.assert_close(dx, torch.cat([da, db], dim=-1))
+
+
+@pytest.mark.parametrize("impl", helpers.CPU_IMPLEMENTATIONS)
+@pytest.mark.parametrize("dtype, act", [(jnp.bfloat16, "silu"), (jnp.float16, "gelu_tanh")],
+                         ids=str)
+def test_low_precision_within_twice_torch_error(impl, dtype, act, pallas_mode):
+  a, b, g = _inputs((33, 1000), dtype, seed=2)
+  got = _jax(a, b, g, act, impl)
+  exact = _torch(a, b, g, act, dtype=torch.float64)
+  low = _torch(a, b, g, act)
+  for x, e, t, what in zip(got, exact, low, ("out", "grad a", "grad b")):
+    assert x.dtype == dtype
+    helpers.assert_within_torch_error(x, e, t, what=f"{act} {what}")
+
+
+@pytest.mark.parametrize("impl", helpers.CPU_IMPLEMENTATIONS)
+def test_user_function(impl, pallas_mode):
+  fn = lambda a: jnp.sin(a) * a  # noqa: E731
+  a, b, g = _inputs((7, 33), jnp.float32, seed=3)
+  y, da, db = _jax(a, b, g, fn, impl)
+  helpers.assert_close(y, jnp.sin(a) * a * b)
+  helpers.assert_close(da, g * b * (jnp.cos(a) * a + jnp.sin(a)))
+  helpers.assert_close(db, g * jnp.sin(a) * a)
+
+
+def test_kernels_with_small_tiles():
+  """The kernels at GPU-like tile sizes (interpret mode): tails in both dimensions."""
+  from jaxfuse.kernels.pallas import gated_linear as kernels
+
+  a, b, g = _inputs((13, 300), jnp.float32, seed=4)
+  fn = activations.silu
+  kw = dict(interpret=True, block_rows=4, block_cols=128)
+
+  @jax.jit
+  def run(a, b, g):
+    x = jnp.concatenate([a, b], axis=-1)
+    return (kernels.glu_forward(a, b, fn, **kw), kernels.glu_backward(a, b, g, fn, **kw),
+            kernels.glu_forward(x, None, fn, **kw), kernels.glu_backward(x, None, g, fn, **kw))
+
+  y, (da, db), y_packed, dx = run(a, b, g)
+  want, vjp = jax.vjp(lambda a, b: fn(a) * b, a, b)
+  want_da, want_db = vjp(g)
+  for got, ref in ((y, want), (da, want_da), (db, want_db), (y_packed, want),
+                   (dx, jnp.concatenate([want_da, want_db], axis=-1))):
+    helpers.assert_close(got, ref)
+
+
+def test_reference_takes_both_forms():
+  a, b, _ = _inputs((4, 6), jnp.float32)
+  packed = jnp.concatenate([a, b], axis=-1)
+  got = jax.jit(lambda packed, a, b: (glu_reference(packed, "gelu"), glu_reference(a, b, "gelu"),
+                                      glu(packed), glu(a, b, "silu")))(packed, a, b)
+  helpers.assert_close(got[0], got[1], rtol=0, atol=0)
+  helpers.assert_close(got[2], got[3], rtol=0, atol=0)
+
+
+# Memory and traffic ------------------------------------------------------------------------------
+
+
+def test_only_the_inputs_are_kept():
+  a, b, g = _inputs((64, 1000), jnp.float32)
+  assert residual_bytes(lambda a, b: jnp.sum(glu(a, b, "gelu") * g), a, b) == 0
+  x = jnp.concatenate([a, b], axis=-1)
+  assert residual_bytes(lambda x: jnp.sum(glu(x, "silu") * g), x) == 0
+  plain = lambda a, b: jnp.sum(activations.silu(a) * b * g)  # noqa: E731
+  assert residual_bytes(plain, a, b) >= a.nbytes
+
+
+def test_traffic_three_arrays_forward_five_backward(pallas_mode):
+  a, b, g = _inputs((64, 1000), jnp.float32)
+  x = jnp.concatenate([a, b], axis=-1)
+  for args, f in (((a, b), lambda a, b: glu(a, b, implementation="pallas")),
+                  ((x,), lambda x: glu(x, implementation="pallas"))):
+    fwd = bytes_moved(f, *args)
+    both = bytes_moved(jax.grad(lambda *p: jnp.sum(f(*p) * g), argnums=tuple(range(len(args)))),
+                       *args)
+    assert fwd == 3 * a.nbytes
+    assert both - fwd == 5 * a.nbytes
+
+
+# Lowering for GPUs -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("act, dtype", [
+    ("silu", jnp.float32), ("gelu", jnp.float32), ("gelu_tanh", jnp.bfloat16),
+    ("relu", jnp.float16)], ids=str)
+def test_pallas_kernels_lower_for_cuda(act, dtype):
+  a, b, _ = _inputs((5, 17, 1000), dtype)
+  step = jax.value_and_grad(lambda a, b: jnp.sum(
+      glu(a, b, act, implementation="pallas").astype(jnp.float32) ** 2), argnums=(0, 1))
+  assert sorted(helpers.triton_kernel_names(helpers.lower_for_gpu(step, a, b))) == [
+      "glu_bwd", "glu_fwd"]
+  x = jnp.concatenate([a, b], axis=-1)
+  step = jax.value_and_grad(lambda x: jnp.sum(
+      glu(x, act, implementation="pallas").astype(jnp.float32) ** 2))
+  assert sorted(helpers.triton_kernel_names(helpers.lower_for_gpu(step, x))) == [
+      "glu_bwd", "glu_fwd"]
+
+
+def test_remat_runs_each_kernel_once():
+  a, b, w = _inputs((37, 4097), jnp.float32)
+  loss = lambda a, b: jnp.sum(glu(a, b, "silu", implementation="pallas") * w)  # noqa: E731
+  step = jax.value_and_grad(jax.checkpoint(loss), argnums=(0, 1))
+  names = helpers.triton_kernel_names(helpers.lower_for_gpu(step, a, b))
+  assert sorted(names) == ["glu_bwd", "glu_fwd"]
+
+
+# Bad input ---------------------------------------------------------------------------------------
+
+
+def test_errors_name_the_argument():
+  a = jnp.ones((4, 5))
+  with pytest.raises(ValueError, match=r"glu: a, b must have the same shape.*\(4, 5\).*\(4, 1\)"):
+    glu(a, jnp.ones((4, 1)))
+  with pytest.raises(TypeError, match=r"glu: a, b must share one dtype.*float16"):
+    glu(a, a.astype(jnp.float16))
+  with pytest.raises(TypeError, match=r"glu: b must have a floating dtype.*int32"):
+    glu(a, jnp.ones((4, 5), jnp.int32))
+  with pytest.raises(ValueError, match=r"glu: x must have an even last axis.*\(4, 5\)"):
+    glu(a, "silu")
+  with pytest.raises(TypeError, match=r"glu: x must have a floating dtype.*int32"):
+    glu(jnp.ones((4, 6), jnp.int32))
+  with pytest.raises(ValueError, match=r"act must be a callable or one of.*'swish'"):
+    glu(a, a, "swish")
+  with pytest.raises(ValueError, match=r"glu: implementation must be None or one of"):
+    glu(a, a, implementation="cuda")
+
+
+@pytest.mark.skipif(helpers.ON_GPU, reason="checks the CPU error")
+def test_kernels_need_a_gpu_or_interpret_mode():
+  a = jnp.ones((2, 4))
+  with pytest.raises(jaxfuse.ImplementationUnavailableError, match=r"Available here: \['xla'\]"):
+    glu(a, a, implementation="pallas")
+  with pytest.raises(jaxfuse.ImplementationUnavailableError, match="Triton kernels need a GPU"):
+    glu(a, a, implementation="triton")

@@ -1,0 +1,94 @@
+"""The measurement helpers measure what they claim."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+import torch
+
+import jaxfuse
+from jaxfuse import metrics
+
+
+def test_residual_bytes_counts_what_the_backward_keeps():
+  x = jnp.ones((128,))
+  assert metrics.residual_bytes(lambda x: jnp.sum(x * 2.0), x) == 0       # linear: nothing
+  assert metrics.residual_bytes(lambda x: jnp.sum(jnp.sin(x)), x) == 512  # cos(x)
+  assert metrics.residual_bytes(lambda x: jnp.sum(x * x), x) == 0         # x itself is an input
+  # A value used by two backward rules (exp's and the product's) counts once.
+  def square_of_exp(x):
+    e = jnp.exp(x)
+    return jnp.sum(e * e)
+
+  assert metrics.residual_bytes(square_of_exp, x) == 512
+
+
+def test_residual_bytes_leaves_out_views_of_inputs_and_closed_over_values():
+  w = jnp.ones((16, 8))
+  x = jnp.ones((4, 8))
+  assert metrics.residual_bytes(lambda x: jnp.sum(x @ w.T), x) == 0
+  # The square's backward keeps 2 * (x @ w.T); w.T is a view of an input and is not counted.
+  kept = metrics.residuals(lambda x, w: jnp.sum((x @ w.T) ** 2), x, w)
+  assert [(r.shape, r.dtype) for r in kept] == [((4, 16), "float32")]
+
+
+def test_recompute_keeps_only_inputs():
+  f = lambda x: jnp.sum(jnp.tanh(jnp.tanh(x) * 3.0))  # noqa: E731
+  x = jnp.ones((64,))
+  assert metrics.residual_bytes(f, x) > 0
+  assert metrics.residual_bytes(jaxfuse.recompute(f), x) == 0
+
+
+def test_recompute_policy_keeps_named_values():
+  def f(x):
+    y = jaxfuse.remat.checkpoint_name(jnp.sin(x), "kept")
+    return jnp.sum(jnp.sin(y))
+
+  x = jnp.ones((64,))
+  assert metrics.residual_bytes(jaxfuse.recompute(f, policy=["kept"]), x) == 64 * 4
+  assert metrics.residual_bytes(jaxfuse.recompute(f, policy="nothing"), x) == 0
+  assert jnp.allclose(jax.grad(jaxfuse.recompute(f, policy="dots"))(x), jax.grad(f)(x))
+  with pytest.raises(ValueError, match="policy must be"):
+    jaxfuse.recompute(f, policy="some")
+
+
+def test_torch_residual_bytes_dedupes_storage_and_excludes_inputs():
+  x = torch.ones(256, requires_grad=True)
+  assert metrics.torch_residual_bytes(lambda: torch.sin(x).sum(), exclude=[x]) == 0
+  # exp saves its output; the product saves both factors, the same tensor: counted once.
+  assert metrics.torch_residual_bytes(lambda: (torch.exp(x) * torch.exp(x)).sum(),
+                                      exclude=[x]) == 2 * 256 * 4
+
+
+def test_bytes_moved_sums_the_kernels_and_none_without_kernels():
+  a = jnp.ones((1000,))
+  assert metrics.bytes_moved(lambda a: a * 2, a) is None
+  with jaxfuse.pallas_interpret():
+    f = lambda a, b: jaxfuse.ops.add_act(a, b, "relu", implementation="pallas")  # noqa: E731
+    step = jax.jit(jax.value_and_grad(lambda a, b: jnp.sum(f(a, b)), (0, 1)))
+    costs = metrics.kernel_costs(step, a, a)
+  assert [c.name for c in costs] == ["add_act_fwd", "add_act_bwd"]
+  assert [c.bytes_accessed for c in costs] == [3 * 4000, 4 * 4000]
+
+
+def test_xla_cost_reports_bytes():
+  cost = metrics.xla_cost(lambda a, b: jax.nn.relu(a + b), jnp.ones(1024), jnp.ones(1024))
+  assert cost["bytes_accessed"] == 3 * 4096
+
+
+def test_timing_interleaves_and_counts_runs():
+  calls = []
+  fns = {name: (lambda name=name: calls.append(name)) for name in "abc"}
+  timings = metrics.interleaved(fns, warmup=1, runs=4, sync=lambda out: out)
+  assert calls[:3] == ["a", "b", "c"]  # warm-up
+  rounds = [calls[3 + 3 * i: 6 + 3 * i] for i in range(4)]
+  assert all(sorted(r) == ["a", "b", "c"] for r in rounds)  # every candidate once per round
+  assert len({tuple(r) for r in rounds}) > 1  # in shuffled orders
+  assert timings["a"].runs == 4 and timings["a"].min <= timings["a"].median <= timings["a"].max
+  calls.clear()
+  metrics.interleaved(fns, warmup=0, runs=2, sync=lambda out: out, shuffle_seed=None)
+  assert calls == ["a", "b", "c", "a", "b", "c"]
+
+
+def test_peak_bytes_is_none_or_positive():
+  peak = metrics.peak_bytes()
+  assert peak is None or peak > 0

@@ -1,0 +1,75 @@
+"""The Triton gated-linear-unit (SwiGLU) kernels' bodies, run by Triton's interpreter on torch CPU
+tensors (TRITON_INTERPRET=1 is set by conftest on machines without a GPU), against torch."""
+
+import pytest
+import torch
+
+from tests import helpers
+from tests.torch_ref import mlp as ref
+
+triton = pytest.importorskip("triton")
+from jaxfuse.kernels.triton import gated_linear as kernels  # noqa: E402
+
+pytestmark = pytest.mark.skipif(helpers.ON_GPU, reason="interpreter tests; GPUs run jax-triton")
+
+
+def _run(a, b, g, act, out_dtype=None, packed=False):
+  """Forward and backward launches as the jax-triton wrappers make them."""
+  rows, h = g.shape
+  dtype = out_dtype or a.dtype
+  grid = kernels.grid_for(rows, h)
+  meta = dict(ROWS=rows, H=h, BLOCK_R=kernels.BLOCK_R, BLOCK_C=kernels.BLOCK_C, ACT=act)
+  out = torch.empty(rows, h, dtype=dtype)
+  if packed:
+    x = torch.cat([a, b], dim=-1)
+    kernels.glu_fwd_kernel[grid](x, x, out, IN_STRIDE=2 * h, B_OFFSET=h, **meta)
+    dx = torch.empty(rows, 2 * h, dtype=dtype)
+    kernels.glu_bwd_packed_kernel[grid](x, g, dx, **meta)
+    return out, dx[:, :h], dx[:, h:]
+  kernels.glu_fwd_kernel[grid](a, b, out, IN_STRIDE=h, B_OFFSET=0, **meta)
+  da, db = torch.empty(rows, h, dtype=dtype), torch.empty(rows, h, dtype=dtype)
+  kernels.glu_bwd_kernel[grid](a, b, g, da, db, IN_STRIDE=h, B_OFFSET=0, **meta)
+  return out, da, db
+
+
+def _torch(a, b, g, act, dtype=None):
+  ta = a.to(dtype or a.dtype).requires_grad_()
+  tb = b.to(dtype or b.dtype).requires_grad_()
+  out = ref.glu(ta, tb, act)
+  out.backward(g.to(dtype or g.dtype))
+  return out.detach(), ta.grad, tb.grad
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu", "gelu_tanh", "relu"])
+@pytest.mark.parametrize("shape", [(1, 1), (13, 300), (9, 1000)], ids=str)
+@pytest.mark.parametrize("packed", [False, True], ids=["separate", "packed"])
+def test_fp32_matches_torch(act, shape, packed):
+  torch.manual_seed(shape[1])
+  a, b, g = 2 * torch.randn(shape), torch.randn(shape), torch.randn(shape)
+  got = _run(a, b, g, act, packed=packed)
+  for x, y, what in zip(got, _torch(a, b, g, act), ("out", "grad a", "grad b")):
+    helpers.assert_close(x, y, what=f"{act} {what}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("packed", [False, True], ids=["separate", "packed"])
+def test_swiglu_low_precision_within_twice_torch_error(dtype, packed):
+  torch.manual_seed(0)
+  shape = (17, 777)
+  a, b, g = ((s * torch.randn(shape)).to(dtype) for s in (2, 1, 1))
+  if dtype == torch.bfloat16:
+    # Triton's interpreter truncates float32 -> bfloat16 stores (GPUs round to nearest even), so
+    # store float32 and round as a GPU would.
+    got = [x.to(dtype) for x in _run(a, b, g, "silu", out_dtype=torch.float32, packed=packed)]
+  else:
+    got = _run(a, b, g, "silu", packed=packed)
+  exact = _torch(a, b, g, "silu", dtype=torch.float64)
+  low = _torch(a, b, g, "silu")
+  for x, e, t, what in zip(got, exact, low, ("out", "grad a", "grad b")):
+    assert x.dtype == dtype
+    helpers.assert_within_torch_error(x, e, t, what=what)
+
+
+def test_traffic_is_three_arrays_forward_five_backward():
+  assert kernels.traffic_bytes(10, 100, 4) == 3 * 4000
+  assert kernels.traffic_bytes(10, 100, 2, backward=True) == 5 * 2000
