@@ -38,7 +38,7 @@ _HIGHEST = lax.Precision.HIGHEST
 # Elements of logits per chunk when chunk_size is None (the chunk's logits take 4x this in
 # bytes): large enough that the chunk's matmuls run at full speed, small enough to stay near
 # the caches. Measured on CPU with the xent benchmark.
-_CHUNK_ELEMENTS = 1 << 24
+_CHUNK_ELEMENTS = 1 << 25
 _MIN_CHUNK, _MAX_CHUNK = 8, 4096
 
 _OP = "linear_cross_entropy"
@@ -135,8 +135,8 @@ def linear_cross_entropy(h: jax.Array, weight: jax.Array, labels: jax.Array, *,
     label_smoothing: torch's: ``(1 - eps) * nll + eps * mean_v(-log_softmax)``.
     z_loss: coefficient of ``logsumexp(logits)**2`` added to each token's loss.
     logit_softcap: if set, logits become ``cap * tanh(logits / cap)`` before the softmax.
-    chunk_size: tokens per chunk (default: about 2**24 / V, at least 8). Memory for logits is
-      ``chunk_size * V`` floats.
+    chunk_size: tokens per chunk (default: about 2**25 / V, at least 8, split evenly over the
+      tokens). Memory for logits is ``chunk_size * V`` floats.
     grad_in_forward: compute the gradients in the forward pass (3 matmuls instead of 4; the
       backward keeps ``dh``, ``dweight``, ``dbias``). Needs ``reduction`` ``"mean"``/``"sum"``
       and ``implementation="xla"``; the logsumexp it returns carries no gradient.
@@ -240,7 +240,10 @@ def _prepare(h, weight, labels, bias, ignore_index, reduction, label_smoothing, 
   _check_label_range(labels, vocab, ignore_index)
   n = math.prod(labels.shape)
   if chunk_size is None:
-    chunk_size = max(_MIN_CHUNK, min(_MAX_CHUNK, _CHUNK_ELEMENTS // max(vocab, 1)))
+    target = max(_MIN_CHUNK, min(_MAX_CHUNK, _CHUNK_ELEMENTS // max(vocab, 1)))
+    # Equal chunks, a multiple of 8 tokens, so that little padding is needed.
+    count = -(-n // target)
+    chunk_size = -(-(-(-n // max(count, 1))) // 8) * 8
   chunk = int(max(1, min(chunk_size, n)))
   cfg = _Config(vocab=vocab, ignore_index=int(ignore_index),
                 label_smoothing=float(label_smoothing), z_loss=float(z_loss),
