@@ -12,7 +12,8 @@ forward + backward (loss, dh, dW) and reports the bytes its backward keeps alive
 - ``jaxfuse-pallas``: the Pallas kernels. Timed on GPUs only; on CPU its errors come from an
   interpret-mode run at a small shape and its bytes moved from the kernels' block specs.
 - ``tokamax-xla``: ``tokamax.linear_softmax_cross_entropy_loss(implementation="xla")``; in
-  tokamax 0.0.12 that path materializes the full logits (its memory-saving kernel is TPU-only).
+  tokamax 0.0.12 that path keeps its gradients as residuals, like ``grad_in_forward`` (its
+  chunked kernel is TPU-only).
 - ``torch-eager`` (the error reference) and ``torch-compile``:
   ``F.cross_entropy(h @ W.T, labels)``.
 
@@ -178,7 +179,8 @@ def _case(ctx, n, d, v, with_peers) -> list[Record]:
   if "tokamax-xla" in outputs:
     loss, (dh, dw_t) = outputs["tokamax-xla"][0], outputs["tokamax-xla"][1]
     outputs["tokamax-xla"] = [loss, [dh, jnp.asarray(dw_t).T]]
-    notes["tokamax-xla"] = "tokamax 0.0.12's XLA path materializes the full logits"
+    notes["tokamax-xla"] = ("tokamax 0.0.12's XLA path: gradients computed in the forward "
+                            "and kept; its chunked kernel is TPU-only")
   outputs["torch-eager"] = _torch_step(_torch_loss, th, tw, ty)
   candidates = {name: functools.partial(fn, *args) for name, (fn, args) in steps.items()}
   candidates["torch-eager"] = lambda: _torch_step(_torch_loss, th, tw, ty)
