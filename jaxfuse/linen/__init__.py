@@ -1,8 +1,9 @@
 """Flax Linen modules over jaxfuse ops, with the same parameter names as their NNX twins."""
 
+from jaxfuse.linen.lm_head import LMHead
 from jaxfuse.linen.linear import RecomputeLinear
 from jaxfuse.linen.mlp import MLP, GatedMLP
 from jaxfuse.linen.normalization import LayerNorm, RMSNorm
 from jaxfuse.linen.simple_nn import SimpleNN
 
-__all__ = ["GatedMLP", "LayerNorm", "MLP", "RMSNorm", "RecomputeLinear", "SimpleNN"]
+__all__ = ["GatedMLP", "LMHead", "LayerNorm", "MLP", "RMSNorm", "RecomputeLinear", "SimpleNN"]

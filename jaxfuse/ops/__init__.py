@@ -3,6 +3,7 @@ that chooses what the backward keeps; ``implementation=None | "pallas" | "triton
 
 from jaxfuse.ops import activations
 from jaxfuse.ops.bias_activation import bias_act, bias_act_reference
+from jaxfuse.ops.cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
 from jaxfuse.ops.dispatch import (IMPLEMENTATIONS, ImplementationUnavailableError, can_run,
                                   pallas_interpret)
 from jaxfuse.ops.elementwise import add_act, add_act_reference, add_act_unfused, relu
@@ -32,6 +33,8 @@ __all__ = [
     "glu_reference",
     "layer_norm",
     "layer_norm_reference",
+    "linear_cross_entropy",
+    "linear_cross_entropy_reference",
     "linear_reference",
     "pallas_interpret",
     "recompute_linear",

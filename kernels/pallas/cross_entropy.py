@@ -1,0 +1,216 @@
+"""Pallas kernels of the fused linear cross-entropy: per-token statistics and the logit gradient.
+
+- ``stats_forward``: one program per block of tokens walks the vocabulary in tiles. Each tile's
+  logits ``h @ w.T (+ bias)`` are made in registers (a loop over the hidden dimension), soft-
+  capped, and folded into an online logsumexp, the target logit (gathered where the column is
+  the label), the sum of the logits and the running argmax. No logits reach memory.
+- ``logit_grad``: one program per (token block, vocabulary tile) recomputes that tile's logits
+  and writes the logit gradient ``a * softmax - b * onehot(label) - c`` (times the soft-cap
+  derivative) for a chunk of tokens; the caller multiplies it into ``dh`` and ``dweight``.
+
+``h`` and ``w`` are read through whole-array refs in power-of-2 tiles whose tails (tokens,
+vocabulary, hidden) are masked, so no size needs to be a multiple of a block.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pl_triton
+
+from . import common
+
+# GPU tiles: tokens x vocabulary x hidden. Interpret mode loops over tiles in Python-free XLA
+# loops, so it takes bigger ones.
+GPU_BLOCKS = (64, 128, 32)
+INTERPRET_BLOCKS = (64, 256, 128)
+_INT_MAX = jnp.iinfo(jnp.int32).max
+
+
+def _blocks(n, v, d, interpret, blocks):
+  bt, bv, bd = blocks or (INTERPRET_BLOCKS if interpret else GPU_BLOCKS)
+  return common.block_for(n, bt), common.block_for(v, bv), common.block_for(d, bd)
+
+
+def _tile_logits(h_ref, w_ref, b_ref, row0, rows_ok, col0, cols_ok, *, bt, bv, bd, d, softcap):
+  """The [bt, bv] logits of one tile in float32, soft-capped; a loop over the hidden axis."""
+
+  def step(k, acc):
+    d0 = k * bd
+    d_ok = d0 + lax.broadcasted_iota(jnp.int32, (bd,), 0) < d
+    hb = pl_triton.load(h_ref.at[pl.ds(row0, bt), pl.ds(d0, bd)],
+                        mask=rows_ok[:, None] & d_ok[None, :], other=0)
+    wb = pl_triton.load(w_ref.at[pl.ds(col0, bv), pl.ds(d0, bd)],
+                        mask=cols_ok[:, None] & d_ok[None, :], other=0)
+    return acc + lax.dot_general(hb, wb, (((1,), (1,)), ((), ())),
+                                 precision=lax.Precision.HIGHEST,
+                                 preferred_element_type=jnp.float32)
+
+  acc = lax.fori_loop(0, pl.cdiv(d, bd), step, jnp.zeros((bt, bv), jnp.float32))
+  if b_ref is not None:
+    acc = acc + pl_triton.load(b_ref.at[pl.ds(col0, bv)], mask=cols_ok,
+                               other=0).astype(jnp.float32)[None, :]
+  if softcap is not None:
+    # tanh from expm1 (Triton has no tanh lowering; this is also within 2 ulp).
+    x = acc * (1.0 / softcap)
+    m = jnp.expm1(-2.0 * jnp.abs(x))
+    t = -m / (2.0 + m)
+    acc = softcap * jnp.where(x < 0, -t, t)
+  return acc
+
+
+def _stats_kernel(*refs, n, v, d, bt, bv, bd, softcap, has_bias):
+  if has_bias:
+    h_ref, w_ref, b_ref, y_ref, lse_ref, tgt_ref, sum_ref, arg_ref = refs
+  else:
+    h_ref, w_ref, y_ref, lse_ref, tgt_ref, sum_ref, arg_ref = refs
+    b_ref = None
+  row0 = pl.program_id(0) * bt
+  rows_ok = common.tail_mask(0, bt, n)
+  labels = pl_triton.load(y_ref, mask=rows_ok, other=-1)
+
+  def tile(j, carry):
+    m, s, target, total, best = carry
+    col0 = j * bv
+    cols = col0 + lax.broadcasted_iota(jnp.int32, (bv,), 0)
+    cols_ok = cols < v
+    z = _tile_logits(h_ref, w_ref, b_ref, row0, rows_ok, col0, cols_ok, bt=bt, bv=bv, bd=bd,
+                     d=d, softcap=softcap)
+    z = jnp.where(cols_ok[None, :], z, -jnp.inf)
+    tile_max = jnp.max(z, axis=1)
+    m_new = jnp.maximum(m, tile_max)
+    s = s * jnp.exp(m - m_new) + jnp.sum(jnp.exp(z - m_new[:, None]), axis=1)
+    target = target + jnp.sum(jnp.where(cols[None, :] == labels[:, None], z, 0.0), axis=1)
+    total = total + jnp.sum(jnp.where(cols_ok[None, :], z, 0.0), axis=1)
+    first = jnp.min(jnp.where(z == tile_max[:, None], cols[None, :], _INT_MAX), axis=1)
+    best = jnp.where(tile_max > m, first, best)
+    return m_new, s, target, total, best
+
+  zeros = jnp.zeros((bt,), jnp.float32)
+  init = (jnp.full((bt,), -jnp.inf, jnp.float32), zeros, zeros, zeros,
+          jnp.zeros((bt,), jnp.int32))
+  m, s, target, total, best = lax.fori_loop(0, pl.cdiv(v, bv), tile, init)
+  pl_triton.store(lse_ref, m + jnp.log(s), mask=rows_ok)
+  pl_triton.store(tgt_ref, target, mask=rows_ok)
+  pl_triton.store(sum_ref, total, mask=rows_ok)
+  pl_triton.store(arg_ref, best, mask=rows_ok)
+
+
+def stats_forward(h, w, bias, labels, *, softcap=None, interpret=False, blocks=None,
+                  num_warps=4):
+  """Per-token logsumexp, target logit, sum of logits and argmax of ``h @ w.T + bias``.
+
+  Args:
+    h: ``[N, D]``; w: ``[V, D]``; bias: ``[V]`` or None; labels: ``[N]`` int32 (any value;
+      a label outside ``[0, V)`` gathers 0).
+    softcap: logits become ``softcap * tanh(logits / softcap)`` first.
+    interpret: Pallas interpret mode (CPU tests).
+    blocks: ``(tokens, vocabulary, hidden)`` tile sizes, powers of 2.
+
+  Returns:
+    ``(lse, target, sum, argmax)``, each ``[N]``: float32 and the last int32.
+  """
+  n, d = h.shape
+  v = w.shape[0]
+  bt, bv, bd = _blocks(n, v, d, interpret, blocks)
+  has_bias = bias is not None
+  kernel = functools.partial(_stats_kernel, n=n, v=v, d=d, bt=bt, bv=bv, bd=bd, softcap=softcap,
+                             has_bias=has_bias)
+  grid = (pl.cdiv(n, bt),)
+  whole = lambda x: pl.BlockSpec(x.shape, lambda i: (0,) * x.ndim)  # noqa: E731
+  row = pl.BlockSpec((bt,), lambda i: (i,))
+  inputs = [h, w] + ([bias] if has_bias else []) + [labels]
+  in_specs = [whole(h), whole(w)] + ([whole(bias)] if has_bias else []) + [row]
+  out_shape = [jax.ShapeDtypeStruct((n,), jnp.float32)] * 3 + [
+      jax.ShapeDtypeStruct((n,), jnp.int32)]
+  # HBM traffic: every token block streams the whole weight (and bias); h and the labels are
+  # read once, four values a token written.
+  blocks_n = grid[0]
+  traffic = (common.nbytes(h) + blocks_n * (common.nbytes(w) + (common.nbytes(bias)
+                                                                  if has_bias else 0))
+             + common.nbytes(labels) + 16 * n)
+  estimate = common.cost(bytes_accessed=traffic, flops=2 * n * v * d + 8 * n * v,
+                         transcendentals=n * v * (3 if softcap is not None else 1))
+  return pl.pallas_call(
+      kernel,
+      out_shape=out_shape,
+      grid=grid,
+      in_specs=in_specs,
+      out_specs=[row] * 4,
+      interpret=interpret,
+      compiler_params=common.triton_params(num_warps=num_warps, num_stages=2),
+      cost_estimate=estimate,
+      name="linear_xent_fwd",
+  )(*inputs)
+
+
+def _grad_kernel(*refs, n, v, d, bt, bv, bd, softcap, has_bias, smoothing):
+  if has_bias:
+    h_ref, w_ref, b_ref, y_ref, lse_ref, a_ref, b2_ref, c_ref, o_ref = refs
+  else:
+    h_ref, w_ref, y_ref, lse_ref, a_ref, b2_ref, c_ref, o_ref = refs
+    b_ref = None
+  row0 = pl.program_id(0) * bt
+  col0 = pl.program_id(1) * bv
+  rows_ok = common.tail_mask(0, bt, n)
+  cols = col0 + lax.broadcasted_iota(jnp.int32, (bv,), 0)
+  cols_ok = cols < v
+  labels = pl_triton.load(y_ref, mask=rows_ok, other=-1)
+  lse = pl_triton.load(lse_ref, mask=rows_ok, other=0)
+  a = pl_triton.load(a_ref, mask=rows_ok, other=0)
+  b = pl_triton.load(b2_ref, mask=rows_ok, other=0)
+  z = _tile_logits(h_ref, w_ref, b_ref, row0, rows_ok, col0, cols_ok, bt=bt, bv=bv, bd=bd, d=d,
+                   softcap=softcap)
+  p = jnp.exp(z - lse[:, None])
+  dz = p * a[:, None] - jnp.where(cols[None, :] == labels[:, None], b[:, None], 0.0)
+  if smoothing:
+    dz = dz - pl_triton.load(c_ref, mask=rows_ok, other=0)[:, None]
+  if softcap is not None:
+    t = z * (1.0 / softcap)
+    dz = dz * (1.0 - t * t)
+  pl_triton.store(o_ref.at[pl.ds(row0, bt), pl.ds(col0, bv)], dz.astype(o_ref.dtype),
+                  mask=rows_ok[:, None] & cols_ok[None, :])
+
+
+def logit_grad(h, w, bias, labels, lse, a, b, c, *, softcap=None, smoothing=True,
+               interpret=False, blocks=None, num_warps=4, out_dtype=None):
+  """The logit gradient ``[N, V]`` of a chunk of tokens, recomputing the logits tile by tile.
+
+  ``dz = a * exp(z - lse) - b * onehot(label) - c`` per token (``a, b, c, lse``: ``[N]``
+  float32), times ``1 - (z / softcap)**2`` when soft-capped, in ``out_dtype`` (h's dtype by
+  default).
+  """
+  n, d = h.shape
+  v = w.shape[0]
+  bt, bv, bd = _blocks(n, v, d, interpret, blocks)
+  has_bias = bias is not None
+  out_dtype = out_dtype or h.dtype
+  kernel = functools.partial(_grad_kernel, n=n, v=v, d=d, bt=bt, bv=bv, bd=bd, softcap=softcap,
+                             has_bias=has_bias, smoothing=smoothing)
+  grid = (pl.cdiv(n, bt), pl.cdiv(v, bv))
+  whole = lambda x: pl.BlockSpec(x.shape, lambda i, j: (0,) * x.ndim)  # noqa: E731
+  row = pl.BlockSpec((bt,), lambda i, j: (i,))
+  inputs = [h, w] + ([bias] if has_bias else []) + [labels, lse, a, b, c]
+  in_specs = [whole(h), whole(w)] + ([whole(bias)] if has_bias else []) + [row] * 5
+  out_shape = jax.ShapeDtypeStruct((n, v), out_dtype)
+  # HBM traffic: each program reads its token rows and its weight tile over the whole hidden
+  # axis, and writes its tile of the gradient.
+  traffic = (grid[1] * common.nbytes(h) + grid[0] * (common.nbytes(w) + (
+      common.nbytes(bias) if has_bias else 0)) + common.nbytes(out_shape) + 20 * n)
+  estimate = common.cost(bytes_accessed=traffic, flops=2 * n * v * d + 8 * n * v,
+                         transcendentals=n * v * (3 if softcap is not None else 1))
+  return pl.pallas_call(
+      kernel,
+      out_shape=out_shape,
+      grid=grid,
+      in_specs=in_specs,
+      out_specs=whole(out_shape),
+      interpret=interpret,
+      compiler_params=common.triton_params(num_warps=num_warps, num_stages=2),
+      cost_estimate=estimate,
+      name="linear_xent_bwd_logit_grad",
+  )(*inputs)

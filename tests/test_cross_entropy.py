@@ -1,0 +1,323 @@
+"""linear_cross_entropy against torch: F.cross_entropy(h @ W.T + b, labels), z-loss, soft-cap."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import jaxfuse
+from jaxfuse.metrics import bytes_moved, residual_bytes
+from jaxfuse.ops import linear_cross_entropy, linear_cross_entropy_reference
+from tests import helpers
+from tests.torch_ref import cross_entropy as ref
+
+IGNORE = -100
+
+
+def _inputs(lead, d, v, dtype=jnp.float32, seed=0, ignored=0.2, scale=1.0):
+  kh, kw, kb, ky, ki, kg = jax.random.split(jax.random.key(seed), 6)
+  h = jax.random.normal(kh, (*lead, d)).astype(dtype)
+  w = (scale * jax.random.normal(kw, (v, d)) / np.sqrt(d)).astype(dtype)
+  b = (0.1 * jax.random.normal(kb, (v,))).astype(dtype)
+  y = jax.random.randint(ky, lead, 0, v)
+  y = jnp.where(jax.random.uniform(ki, lead) < ignored, IGNORE, y)
+  g = jax.random.normal(kg, lead)  # cotangent for reduction="none"
+  return h, w, b, y, g
+
+
+def _jax_run(h, w, b, y, g, *, impl, reduction="mean", use_bias=True, **opts):
+  def loss_fn(h, w, b):
+    loss = linear_cross_entropy(h, w, y, bias=b if use_bias else None, reduction=reduction,
+                                implementation=impl, **opts)
+    return jnp.sum(loss * g) if reduction == "none" else loss
+
+  loss, grads = jax.value_and_grad(loss_fn, argnums=(0, 1, 2))(h, w, b)
+  if reduction == "none":
+    loss = linear_cross_entropy(h, w, y, bias=b if use_bias else None, reduction="none",
+                                implementation=impl, **opts)
+  return (loss, *grads[:3 if use_bias else 2])
+
+
+def _torch_run(h, w, b, y, g, *, dtype=None, reduction="mean", use_bias=True, **opts):
+  th, tw, tb = (helpers.to_torch(x, dtype, requires_grad=True) for x in (h, w, b))
+  ty = torch.from_numpy(np.array(y)).long()
+  loss = ref.linear_cross_entropy(th, tw, ty, tb if use_bias else None, reduction=reduction,
+                                  **opts)
+  out = loss * helpers.to_torch(g, loss.dtype) if reduction == "none" else loss
+  out.sum().backward()
+  return (loss, th.grad, tw.grad) + ((tb.grad,) if use_bias else ())
+
+
+NAMES = ("loss", "grad h", "grad weight", "grad bias")
+
+OPTIONS = {
+    "plain": {},
+    "smoothing": {"label_smoothing": 0.1},
+    "zloss": {"z_loss": 1e-3},
+    "softcap": {"logit_softcap": 2.0},
+    "all": {"label_smoothing": 0.2, "z_loss": 1e-2, "logit_softcap": 3.0},
+}
+
+
+FP32_CASES = [("plain", "mean"), ("plain", "none"), ("smoothing", "sum"), ("zloss", "none"),
+              ("softcap", "mean"), ("all", "mean"), ("all", "sum"), ("all", "none")]
+
+
+@pytest.mark.parametrize("impl", helpers.CPU_IMPLEMENTATIONS)
+@pytest.mark.parametrize("option,reduction", FP32_CASES, ids=lambda x: x)
+def test_fp32_matches_torch(impl, option, reduction, pallas_mode):
+  """V = 1000 is not a multiple of any vocabulary tile; 3 x 37 tokens not of any token block."""
+  h, w, b, y, g = _inputs((3, 37), 48, 1000, seed=1, scale=3.0)
+  opts = OPTIONS[option]
+  got = _jax_run(h, w, b, y, g, impl=impl, reduction=reduction, chunk_size=32, **opts)
+  want = _torch_run(h, w, b, y, g, reduction=reduction, **opts)
+  for x, t, what in zip(got, want, NAMES):
+    helpers.assert_close(x, t, what=f"{option} {reduction} {what}")
+
+
+@pytest.mark.parametrize("impl", helpers.CPU_IMPLEMENTATIONS)
+def test_gpt2_vocabulary_without_bias(impl, pallas_mode):
+  """V = 50257 at a small N and D, no bias."""
+  h, w, b, y, g = _inputs((13,), 16, 50257, seed=2, scale=4.0)
+  got = _jax_run(h, w, b, y, g, impl=impl, use_bias=False)
+  want = _torch_run(h, w, b, y, g, use_bias=False)
+  for x, t, what in zip(got, want, NAMES):
+    helpers.assert_close(x, t, what=what)
+
+
+@pytest.mark.parametrize("chunk_size,reduction", [(1, "mean"), (16, "sum"), (100, "mean")])
+def test_grad_in_forward_matches_torch(chunk_size, reduction):
+  h, w, b, y, g = _inputs((2, 21), 24, 333, seed=3, scale=3.0)
+  opts = OPTIONS["all"]
+  got = _jax_run(h, w, b, y, g, impl="xla", reduction=reduction, chunk_size=chunk_size,
+                 grad_in_forward=True, **opts)
+  want = _torch_run(h, w, b, y, g, reduction=reduction, **opts)
+  for x, t, what in zip(got, want, NAMES):
+    helpers.assert_close(x, t, what=f"chunk {chunk_size} {what}")
+
+
+@pytest.mark.parametrize("chunk_size", [1, 7, None])
+def test_any_chunk_size(chunk_size):
+  h, w, b, y, g = _inputs((50,), 32, 129, seed=4)
+  got = _jax_run(h, w, b, y, g, impl="xla", chunk_size=chunk_size)
+  want = _torch_run(h, w, b, y, g)
+  for x, t, what in zip(got, want, NAMES):
+    helpers.assert_close(x, t, what=what)
+
+
+@pytest.mark.parametrize("impl", helpers.CPU_IMPLEMENTATIONS)
+@pytest.mark.parametrize("mode", ["recompute", "grad_in_forward"])
+def test_all_labels_ignored_match_torch(impl, mode, pallas_mode):
+  """Mean over no labels is NaN with zero gradients, as in torch; sum is 0."""
+  if mode == "grad_in_forward" and impl != "xla":
+    pytest.skip("grad_in_forward is an XLA mode")
+  h, w, b, _, g = _inputs((9,), 16, 100, seed=5)
+  y = jnp.full((9,), IGNORE)
+  opts = {"grad_in_forward": mode == "grad_in_forward", "label_smoothing": 0.1, "z_loss": 1e-3}
+  for reduction in ("mean", "sum"):
+    got = _jax_run(h, w, b, y, g, impl=impl, reduction=reduction, **opts)
+    want = _torch_run(h, w, b, y, g, reduction=reduction, label_smoothing=0.1)
+    assert np.isnan(helpers.to_numpy(want[0])) == (reduction == "mean")
+    np.testing.assert_array_equal(np.isnan(helpers.to_numpy(got[0])),
+                                  np.isnan(helpers.to_numpy(want[0])))
+    for x, t, what in zip(got[1:], want[1:], NAMES[1:]):
+      helpers.assert_close(x, t, rtol=0, atol=0, what=f"{reduction} {what}")
+
+
+@pytest.mark.parametrize("impl", helpers.CPU_IMPLEMENTATIONS)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: jnp.dtype(d).name)
+def test_low_precision_within_twice_torch_error(impl, dtype, pallas_mode):
+  """Against float64, our error is at most 2x torch's in the same dtype (logits accumulate in
+  float32 here; torch rounds them to the input dtype)."""
+  h, w, b, y, g = _inputs((4, 33), 64, 1000, dtype=dtype, seed=6, scale=3.0)
+  opts = {"label_smoothing": 0.1, "z_loss": 1e-3}
+  got = _jax_run(h, w, b, y, g, impl=impl, chunk_size=64, **opts)
+  exact = _torch_run(h, w, b, y, g, dtype=torch.float64, **opts)
+  low = _torch_run(h, w, b, y, g, **opts)
+  assert got[0].dtype == jnp.float32
+  for x, e, t, what in zip(got, exact, low, NAMES):
+    if what != "loss":
+      assert x.dtype == dtype
+    helpers.assert_within_torch_error(x, e, t, k=2.0, what=f"{jnp.dtype(dtype).name} {what}")
+
+
+@pytest.mark.parametrize("impl", helpers.CPU_IMPLEMENTATIONS)
+def test_lse_and_accuracy(impl, pallas_mode):
+  """The returned logsumexp matches torch's and carries a gradient; accuracy is the argmax's."""
+  h, w, b, y, g = _inputs((2, 45), 40, 500, seed=7, scale=3.0)
+  y = y.at[0, :5].set(jnp.argmax(h[0, :5] @ w.T + b, axis=-1))  # some hits
+
+  def loss_fn(h, w, b):
+    loss, aux = linear_cross_entropy(h, w, y, bias=b, return_lse=True, return_accuracy=True,
+                                     logit_softcap=5.0, implementation=impl)
+    return loss + 0.1 * jnp.sum(aux["lse"] * g), aux
+
+  (_, aux), grads = jax.value_and_grad(loss_fn, argnums=(0, 1, 2), has_aux=True)(h, w, b)
+  th, tw, tb = (helpers.to_torch(x, requires_grad=True) for x in (h, w, b))
+  ty = torch.from_numpy(np.array(y)).long()
+  logits = 5.0 * torch.tanh((th @ tw.T + tb) / 5.0)
+  lse = torch.logsumexp(logits, -1)
+  total = torch.nn.functional.cross_entropy(logits.reshape(-1, 500), ty.reshape(-1))
+  (total + 0.1 * (lse * helpers.to_torch(g)).sum()).backward()
+  helpers.assert_close(aux["lse"], lse)
+  for x, t, what in zip(grads, (th.grad, tw.grad, tb.grad), NAMES[1:]):
+    helpers.assert_close(x, t, what=what)
+  valid = ty != IGNORE
+  hits = (logits.argmax(-1) == ty) & valid
+  want_accuracy = hits.sum().item() / valid.sum().item()
+  assert want_accuracy > 0
+  np.testing.assert_allclose(float(aux["accuracy"]), want_accuracy, rtol=1e-6)
+  per_token = linear_cross_entropy(h, w, y, bias=b, reduction="none", return_accuracy=True,
+                                   logit_softcap=5.0, implementation=impl)[1]["accuracy"]
+  np.testing.assert_array_equal(np.asarray(per_token), hits.numpy().astype(np.float32))
+
+
+def test_matches_the_full_logits_reference():
+  h, w, b, y, _ = _inputs((4, 31), 32, 777, seed=8, scale=3.0)
+  opts = OPTIONS["all"]
+  for reduction in ("mean", "sum", "none"):
+    got = linear_cross_entropy(h, w, y, bias=b, reduction=reduction, **opts)
+    want = linear_cross_entropy_reference(h, w, y, bias=b, reduction=reduction, **opts)
+    helpers.assert_close(got, want, what=reduction)
+
+
+def test_jit_and_remat_compose(pallas_mode):
+  h, w, b, y, g = _inputs((40,), 24, 300, seed=9)
+  loss = lambda h, w, b: linear_cross_entropy(h, w, y, bias=b, implementation="pallas")  # noqa
+  grads = jax.jit(jax.grad(jax.checkpoint(loss), argnums=(0, 1, 2)))(h, w, b)
+  want = _torch_run(h, w, b, y, g)
+  for x, t in zip(grads, want[1:]):
+    helpers.assert_close(x, t)
+
+
+# Labels out of range ---------------------------------------------------------------------------
+
+
+def test_out_of_range_labels_raise_when_concrete():
+  h, w, b, _, _ = _inputs((6,), 8, 50)
+  for bad in (50, -1, 1000):
+    y = jnp.array([0, 1, bad, 3, IGNORE, 5])
+    with pytest.raises(ValueError, match=rf"labels must be in \[0, 50\).*e\.g\. {bad}"):
+      linear_cross_entropy(h, w, y)
+
+
+def test_out_of_range_labels_give_nan_under_jit():
+  h, w, b, _, _ = _inputs((6,), 8, 50)
+  y = jnp.array([0, 1, 50, 3, IGNORE, 5])
+  per_token = jax.jit(lambda y: linear_cross_entropy(h, w, y, reduction="none"))(y)
+  assert np.isnan(np.asarray(per_token)).tolist() == [False, False, True, False, False, False]
+  assert np.isnan(float(jax.jit(lambda y: linear_cross_entropy(h, w, y))(y)))
+  assert np.isnan(float(jax.jit(lambda y: linear_cross_entropy(
+      h, w, y, grad_in_forward=True))(y)))
+
+
+# Memory and traffic ----------------------------------------------------------------------------
+
+
+def test_backward_keeps_only_the_logsumexp():
+  n, d, v = 64, 32, 1000
+  h, w, b, y, _ = _inputs((n,), d, v)
+  fused = residual_bytes(lambda h, w, b: linear_cross_entropy(h, w, y, bias=b), h, w, b)
+  # 4 bytes a token, and the mean's scalar count.
+  assert 4 * n <= fused <= 4 * n + 8
+  full = residual_bytes(lambda h, w, b: linear_cross_entropy_reference(h, w, y, bias=b), h, w, b)
+  assert full >= 4 * n * v
+  # Gradients in the forward keep dh, dweight and dbias instead.
+  liger = residual_bytes(lambda h, w, b: linear_cross_entropy(h, w, y, bias=b,
+                                                              grad_in_forward=True), h, w, b)
+  grads = h.nbytes + w.nbytes + b.nbytes
+  assert grads <= liger <= grads + 8
+
+
+def test_pallas_bytes_moved_are_reported(pallas_mode):
+  h, w, b, y, _ = _inputs((64,), 32, 1000)
+  moved = bytes_moved(jax.grad(lambda h, w: linear_cross_entropy(h, w, y,
+                                                                 implementation="pallas")), h, w)
+  # At least: the forward and the backward each stream the weight once.
+  assert moved >= 2 * w.nbytes
+
+
+# Lowering for GPUs -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16],
+                         ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("option", ["plain", "all"])
+def test_pallas_kernels_lower_for_cuda(dtype, option):
+  h, w, b, y, _ = _inputs((3, 37), 48, 1000, dtype=dtype)
+  step = jax.value_and_grad(
+      lambda h, w, b: linear_cross_entropy(h, w, y, bias=b, implementation="pallas",
+                                           chunk_size=64, **OPTIONS[option]),
+      argnums=(0, 1, 2))
+  names = helpers.triton_kernel_names(helpers.lower_for_gpu(step, h, w, b))
+  assert sorted(names) == ["linear_xent_bwd_logit_grad", "linear_xent_fwd"]
+
+
+def test_gpt2_vocabulary_lowers_without_bias():
+  h, w, _, y, _ = _inputs((100,), 64, 50257)
+  step = jax.grad(lambda h, w: linear_cross_entropy(h, w, y, implementation="pallas"),
+                  argnums=(0, 1))
+  names = helpers.triton_kernel_names(helpers.lower_for_gpu(step, h, w))
+  assert sorted(names) == ["linear_xent_bwd_logit_grad", "linear_xent_fwd"]
+
+
+def test_remat_runs_each_kernel_once():
+  """Without remat each kernel runs once. Under jit(value_and_grad(remat(f))) the backward
+  kernel still runs once; the forward kernel runs a second time only because remat drops its
+  4-byte-a-token logsumexp, which the backward needs (saving it by name avoids that)."""
+  h, w, b, y, _ = _inputs((64,), 32, 1000)
+  loss = lambda h, w: linear_cross_entropy(h, w, y, implementation="pallas")  # noqa: E731
+  plain = jax.value_and_grad(loss, argnums=(0, 1))
+  names = helpers.triton_kernel_names(helpers.lower_for_gpu(plain, h, w))
+  assert sorted(names) == ["linear_xent_bwd_logit_grad", "linear_xent_fwd"]
+  remat = jax.value_and_grad(jax.checkpoint(loss), argnums=(0, 1))
+  names = helpers.triton_kernel_names(helpers.lower_for_gpu(remat, h, w))
+  assert sorted(names) == ["linear_xent_bwd_logit_grad", "linear_xent_fwd", "linear_xent_fwd"]
+
+
+# Bad input -------------------------------------------------------------------------------------
+
+
+def test_errors_name_the_argument():
+  h, w, b, y, _ = _inputs((4,), 8, 10, ignored=0)
+  f = functools.partial(linear_cross_entropy)
+  with pytest.raises(ValueError, match=r"weight must have size 8 on axis 1.*\(10, 7\)"):
+    f(h, w[:, :7], y)
+  with pytest.raises(ValueError, match=r"weight must have rank 2"):
+    f(h, w[None], y)
+  with pytest.raises(ValueError, match=r"labels must have shape h.shape\[:-1\] = \(4,\).*\(4, 1\)"):
+    f(h, w, y[:, None])
+  with pytest.raises(TypeError, match=r"labels must have an integer dtype.*float32"):
+    f(h, w, y.astype(jnp.float32))
+  with pytest.raises(TypeError, match=r"h must have a floating dtype.*int32"):
+    f(h.astype(jnp.int32), w, y)
+  with pytest.raises(TypeError, match=r"h, weight must share one dtype.*bfloat16"):
+    f(h, w.astype(jnp.bfloat16), y)
+  with pytest.raises(ValueError, match=r"bias must have shape \(V,\) = \(10,\).*\(9,\)"):
+    f(h, w, y, bias=b[:9])
+  with pytest.raises(ValueError, match=r"reduction must be one of.*'avg'"):
+    f(h, w, y, reduction="avg")
+  with pytest.raises(ValueError, match=r"label_smoothing must be in \[0, 1\].*1.5"):
+    f(h, w, y, label_smoothing=1.5)
+  with pytest.raises(ValueError, match=r"z_loss must be >= 0"):
+    f(h, w, y, z_loss=-1.0)
+  with pytest.raises(ValueError, match=r"logit_softcap must be None or > 0"):
+    f(h, w, y, logit_softcap=0.0)
+  with pytest.raises(ValueError, match=r"chunk_size must be None or a positive int.*0"):
+    f(h, w, y, chunk_size=0)
+  with pytest.raises(ValueError, match=r"grad_in_forward=True needs a scalar loss"):
+    f(h, w, y, reduction="none", grad_in_forward=True)
+  with pytest.raises(ValueError, match=r"implementation must be None or one of.*'cuda'"):
+    f(h, w, y, implementation="cuda")
+
+
+@pytest.mark.skipif(helpers.ON_GPU, reason="checks the CPU error")
+def test_kernels_need_a_gpu_or_interpret_mode():
+  h, w, _, y, _ = _inputs((4,), 8, 10, ignored=0)
+  with pytest.raises(jaxfuse.ImplementationUnavailableError, match=r"Available here: \['xla'\]"):
+    linear_cross_entropy(h, w, y, implementation="pallas")
+  with pytest.raises(ValueError, match=r"'triton' is not provided"):
+    linear_cross_entropy(h, w, y, implementation="triton")
