@@ -3,6 +3,7 @@ that chooses what the backward keeps; ``implementation=None | "pallas" | "triton
 
 from jaxfuse.ops import activations
 from jaxfuse.ops.elementwise import add_act, add_act_reference, add_act_unfused
+from jaxfuse.ops.flash_attention import attention, attention_reference
 from jaxfuse.ops.dispatch import (IMPLEMENTATIONS, ImplementationUnavailableError, can_run,
                                   pallas_interpret)
 
@@ -13,6 +14,8 @@ __all__ = [
     "add_act",
     "add_act_reference",
     "add_act_unfused",
+    "attention",
+    "attention_reference",
     "can_run",
     "pallas_interpret",
 ]

@@ -287,13 +287,15 @@ def _expand_bias(bias, tq, tk):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
 def _attention(q, k, v, q_seg, kv_seg, kv_lengths, bias, cfg):
-  return _forward(q, k, v, q_seg, kv_seg, kv_lengths, bias, cfg)[0]
+  # The primal alone (what jax.checkpoint runs before recomputing residuals in the backward).
+  return _forward(q, k, v, q_seg, kv_seg, kv_lengths, bias, cfg, with_lse=False)[0]
 
 
-def _forward(q, k, v, q_seg, kv_seg, kv_lengths, bias, cfg):
+def _forward(q, k, v, q_seg, kv_seg, kv_lengths, bias, cfg, with_lse=True):
   if cfg.impl == "pallas":
     return pallas_attention.forward(q, k, v, q_seg, kv_seg, kv_lengths, bias, causal=cfg.causal,
-                                    scale=cfg.scale, blocks=cfg.blocks, interpret=cfg.interpret)
+                                    scale=cfg.scale, blocks=cfg.blocks, interpret=cfg.interpret,
+                                    with_lse=with_lse)
   return _xla_forward(q, k, v, q_seg, kv_seg, kv_lengths, bias, cfg)
 
 

@@ -6,17 +6,20 @@ multiples of a tile and the head dim need not be a power of 2 (tiles are padded 
 at least 16, with zeros). Scores are kept in base 2 (``q kᵀ · scale · log2 e``) so the kernels use
 ``exp2``; the saved log-sum-exp ``lse`` is in base 2 too.
 
-- ``attention_fwd``, grid (q tiles, heads, batch): online softmax over the key tiles a query
+- ``attention_fwd_res``, grid (q tiles, heads, batch): online softmax over the key tiles a query
   tile can see; causal programs stop at the diagonal and mask only the tiles it crosses; with
   segment ids, key tiles whose id range does not meet the query tile's are skipped. Writes ``o``
-  and ``lse`` (``+inf`` for rows that see no key: their ``o`` is 0).
+  and ``lse`` (``+inf`` for rows that see no key: their ``o`` is 0). ``attention_fwd`` is the
+  same kernel writing ``o`` only, for a primal pass whose residuals are recomputed later (under
+  ``jax.checkpoint``).
 - ``attention_bwd_dq``, grid (q tiles, heads, batch): recomputes ``p = exp2(s - lse)`` tile by
   tile, ``ds = p (do vᵀ - delta)`` and accumulates ``dq = ds k``.
 - ``attention_bwd_dkdv``, grid (k tiles, kv heads, batch): walks the query tiles (and the query
   heads sharing the kv head) that see its keys and accumulates ``dk = dsᵀ q``, ``dv = pᵀ do``
   in registers; no atomics.
 - ``attention_bwd_dbias``, grid (q tiles, k tiles, batch x heads): ``ds`` per tile, only when a
-  bias is given (XLA drops it when the bias gradient is not used).
+  bias is given. It is a kernel of its own, without side effects, so that XLA can drop it when
+  nothing uses the bias gradient.
 
 ``delta = rowsum(o * do)`` is one fused XLA reduction before the backward kernels.
 """
@@ -298,7 +301,8 @@ def _causal_q_tiles(spec, q_tile_start, bq, bk, kv_tiles):
 
 
 def _fwd_kernel(q_ref, k_ref, v_ref, *refs, spec: _Spec, bq: int, bk: int):
-  kv_len_ref, q_seg_ref, kv_seg_ref, bias_ref, (o_ref, lse_ref) = _optional_refs(spec, refs)
+  kv_len_ref, q_seg_ref, kv_seg_ref, bias_ref, outs = _optional_refs(spec, refs)
+  o_ref, lse_ref = outs if len(outs) == 2 else (outs[0], None)
   i, bi = pl.program_id(0), pl.program_id(2)
   if spec.causal:  # the longest rows first: better balance at the end of the launch
     i = pl.num_programs(0) - 1 - i
@@ -343,8 +347,9 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, spec: _Spec, bq: int, bk: int):
   empty = l == 0.0
   l_safe = jnp.where(empty, 1.0, l)
   _store_rows(o_ref, qs, acc / l_safe[:, None], spec.tq, spec)
-  lse = jnp.where(empty, _INF, m + jnp.log2(l_safe))
-  pl_triton.store(lse_ref.at[pl.ds(qs, bq)], lse, mask=qs + jnp.arange(bq) < spec.tq)
+  if lse_ref is not None:
+    lse = jnp.where(empty, _INF, m + jnp.log2(l_safe))
+    pl_triton.store(lse_ref.at[pl.ds(qs, bq)], lse, mask=qs + jnp.arange(bq) < spec.tq)
 
 
 def _visible_pairs(spec: _Spec) -> int:
@@ -360,8 +365,12 @@ def _itemsize(spec):
 
 
 def forward(q, k, v, q_seg, kv_seg, kv_lengths, bias, *, causal: bool, scale: float,
-            blocks: BlockSizes, interpret: bool = False):
-  """``(o, lse)``: the attention output and the base-2 row log-sum-exp ``[b, heads, q_len]``."""
+            blocks: BlockSizes, interpret: bool = False, with_lse: bool = True):
+  """``(o, lse)``: the attention output and the base-2 row log-sum-exp ``[b, heads, q_len]``.
+
+  Without ``with_lse`` the kernel (``attention_fwd`` instead of ``attention_fwd_res``) writes
+  ``o`` only and ``lse`` is None: the primal pass under ``jax.checkpoint`` needs no residuals.
+  """
   spec = _spec(q, k, bias, kv_lengths, q_seg, scale, causal)
   bq, bk = blocks.block_q, blocks.block_k
   g = spec.g
@@ -375,27 +384,30 @@ def forward(q, k, v, q_seg, kv_seg, kv_lengths, bias, *, causal: bool, scale: fl
   extra, extra_specs = _optional_args(
       spec, kv_lengths, q_seg, kv_seg, bias, seg_q_map=lambda i, h, bi: (bi, 0),
       seg_k_map=lambda i, h, bi: (bi, 0), bias_map=bias_map)
-  out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype),
-               jax.ShapeDtypeStruct((spec.b, spec.hq, spec.tq), jnp.float32)]
+  out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+  out_specs = [slab_q]
+  if with_lse:
+    out_shape.append(jax.ShapeDtypeStruct((spec.b, spec.hq, spec.tq), jnp.float32))
+    out_specs.append(pl.BlockSpec((None, None, spec.tq), lambda i, h, bi: (bi, h, 0)))
   nq = pl.cdiv(spec.tq, bq)
   pairs = _visible_pairs(spec) * spec.b * spec.hq
   item = _itemsize(spec)
   kv_reads = 2 * pairs // max(spec.tq, 1) * bq * spec.d * item  # each q tile reads its k/v
-  traffic = (2 * q.size * item + kv_reads + spec.b * spec.hq * spec.tq * 4
+  traffic = (2 * q.size * item + kv_reads + with_lse * spec.b * spec.hq * spec.tq * 4
              + (bias.size * bias.dtype.itemsize if bias is not None else 0))
-  o, lse = pl.pallas_call(
+  outs = pl.pallas_call(
       functools.partial(_fwd_kernel, spec=spec, bq=bq, bk=bk),
       out_shape=out_shape,
       grid=(nq, spec.hq, spec.b),
       in_specs=[slab_q, slab_k, slab_k] + extra_specs,
-      out_specs=[slab_q, pl.BlockSpec((None, None, spec.tq), lambda i, h, bi: (bi, h, 0))],
+      out_specs=out_specs,
       interpret=interpret,
       compiler_params=common.triton_params(blocks.num_warps, blocks.num_stages),
       cost_estimate=common.cost(bytes_accessed=traffic, flops=4 * pairs * spec.d,
                                 transcendentals=pairs),
-      name="attention_fwd",
+      name="attention_fwd_res" if with_lse else "attention_fwd",
   )(q, k, v, *extra)
-  return o, lse
+  return (outs[0], outs[1]) if with_lse else (outs[0], None)
 
 
 # Backward --------------------------------------------------------------------------------------
@@ -478,7 +490,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, *refs, spec: _Spec, bq: int, bk: int):
         do = _load_rows(do_ref, qs, bq, spec.tq, spec, head=gi)
         lse = _load_vec(lse_ref, qs, bq, spec.tq, _INF, head=gi)
         delta = _load_vec(delta_ref, qs, bq, spec.tq, 0.0, head=gi)
-        bias_tile = _load_bias(bias_ref, spec, qs, ks, bq, bk, head=gi if hb > 1 else 0)
+        bias_tile = _load_bias(bias_ref, spec, qs, ks, bq, bk, head=gi if hb > 1 else None)
         st = _logits(q, k, spec, qs, ks, bq, bk, kv_limit, q_ids, k_ids, bias_tile,
                      causal_mask, keys_on_rows=True)
         pt = jnp.exp2(st - lse[None, :])
@@ -574,7 +586,7 @@ def backward(q, k, v, q_seg, kv_seg, kv_lengths, bias, o, lse, do, *, causal: bo
   bias_map = None
   if bias is not None:
     hb = spec.bias_shape[1]
-    bias_map = pl.BlockSpec((None, g if hb > 1 else 1, spec.tq, spec.tk),
+    bias_map = pl.BlockSpec((None, g if hb > 1 else None, spec.tq, spec.tk),
                             lambda j, h, bi: (_bias_batch(spec, bi), h if hb > 1 else 0, 0, 0))
   extra, extra_specs = _optional_args(
       spec, kv_lengths, q_seg, kv_seg, bias, seg_q_map=lambda j, h, bi: (bi, 0),
