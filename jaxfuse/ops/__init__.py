@@ -3,7 +3,8 @@ that chooses what the backward keeps; ``implementation=None | "pallas" | "triton
 
 from jaxfuse.ops import activations
 from jaxfuse.ops.elementwise import add_act, add_act_reference, add_act_unfused
-from jaxfuse.ops.flash_attention import attention, attention_reference
+from jaxfuse.ops.flash_attention import attention, attention_reference, dot_product_attention
+from jaxfuse.ops.rotary import rotary_embedding
 from jaxfuse.ops.dispatch import (IMPLEMENTATIONS, ImplementationUnavailableError, can_run,
                                   pallas_interpret)
 
@@ -17,5 +18,7 @@ __all__ = [
     "attention",
     "attention_reference",
     "can_run",
+    "dot_product_attention",
     "pallas_interpret",
+    "rotary_embedding",
 ]

@@ -60,6 +60,7 @@ __all__ = [
     "attention_reference",
     "autotune",
     "clear_autotune_cache",
+    "dot_product_attention",
     "heuristic_block_sizes",
 ]
 
@@ -750,3 +751,59 @@ def _save_choice(path: str, key: str, sizes: BlockSizes) -> None:
   entries[key] = sizes.as_dict()
   with open(path, "w") as f:
     json.dump(entries, f, indent=1, sort_keys=True)
+
+
+# A jax.nn-style entry point --------------------------------------------------------------------
+
+
+def dot_product_attention(query: jax.Array, key: jax.Array, value: jax.Array,
+                          bias: jax.Array | None = None, mask: jax.Array | None = None, *,
+                          scale: float | None = None, is_causal: bool = False,
+                          segment_ids=None, kv_lengths: jax.Array | None = None,
+                          implementation: str | None = None) -> jax.Array:
+  """:func:`attention` with the argument names of :func:`jax.nn.dot_product_attention`.
+
+  ``query`` is ``[batch..., q_len, heads, head_dim]`` with any number of batch axes (``key``
+  and ``value`` share them). A boolean ``mask`` (True = attend), broadcastable to
+  ``[batch..., heads, q_len, kv_len]``, becomes a ``-inf`` bias, which costs a
+  ``[q_len, kv_len]`` array per head that it varies over; prefer ``is_causal``,
+  ``segment_ids`` and ``kv_lengths``, which cost nothing. Unlike jax.nn, a row that every
+  mask excludes gives zeros.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jaxfuse.ops import dot_product_attention
+    >>> x = jax.random.normal(jax.random.key(0), (2, 3, 10, 4, 16))
+    >>> dot_product_attention(x, x, x, is_causal=True).shape
+    (2, 3, 10, 4, 16)
+  """
+  batch = query.shape[:-3]
+  if key.shape[:-3] != batch or value.shape[:-3] != batch:
+    raise ValueError(f"dot_product_attention: query, key and value must share their batch "
+                     f"axes, got {query.shape}, {key.shape} and {value.shape}")
+  n = math.prod(batch)
+
+  def flat(x):
+    return x.reshape((n,) + x.shape[-3:])
+
+  if mask is not None:
+    mask_bias = jnp.where(mask, 0.0, _NEG_INF).astype(jnp.float32)
+    bias = mask_bias if bias is None else bias.astype(jnp.float32) + mask_bias
+  if bias is not None:
+    full = jnp.broadcast_shapes(bias.shape, batch + (1, 1, 1))
+    bias = jnp.broadcast_to(bias, full)
+    per_batch = any(s != 1 for s in bias.shape[:-3])
+    if per_batch:
+      bias = jnp.broadcast_to(bias, batch + bias.shape[-3:])
+    bias = bias.reshape((n if per_batch else 1,) + bias.shape[-3:])
+  if segment_ids is not None:
+    if isinstance(segment_ids, (tuple, list)):
+      segment_ids = tuple(s.reshape(n, -1) for s in segment_ids)
+    else:
+      segment_ids = segment_ids.reshape(n, -1)
+  if kv_lengths is not None:
+    kv_lengths = jnp.broadcast_to(kv_lengths, batch).reshape(n)
+  out = attention(flat(query), flat(key), flat(value), causal=is_causal, scale=scale,
+                  segment_ids=segment_ids, kv_lengths=kv_lengths, bias=bias,
+                  implementation=implementation)
+  return out.reshape(query.shape)

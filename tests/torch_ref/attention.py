@@ -35,3 +35,13 @@ def attention(q, k, v, *, causal=False, scale=None, segment_ids=None, kv_lengths
                                        enable_gqa=gqa)
   out = out * (~empty).to(out.dtype)
   return out.transpose(1, 2)
+
+
+def rotary(x, positions, base=10000.0):
+  """RoPE, rotate-half convention, on [batch..., seq, heads, head_dim] tensors."""
+  d = x.shape[-1]
+  inv_freq = base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+  angles = positions.to(torch.float64)[..., :, None, None] * inv_freq
+  cos, sin = torch.cos(angles).to(x.dtype), torch.sin(angles).to(x.dtype)
+  x1, x2 = x[..., : d // 2], x[..., d // 2:]
+  return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
