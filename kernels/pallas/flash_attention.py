@@ -222,8 +222,11 @@ def _load_vec(ref, start, size, limit, other, head=None):
   return pl_triton.load(index, mask=pos < limit, other=other)
 
 
-def _dot(a, b, spec, trans_a=False, trans_b=False):
-  return pl.dot(a, b, trans_a=trans_a, trans_b=trans_b, precision=spec.precision)
+def _dot(a, b, spec, trans_b=False):
+  """``a @ b`` (or ``a @ bᵀ``) with float32 accumulation; IEEE float32 for float32 inputs."""
+  dims = (((1,), (1 if trans_b else 0,)), ((), ()))
+  return lax.dot_general(a, b, dims, precision=spec.precision,
+                         preferred_element_type=jnp.float32)
 
 
 def _kv_limit(spec, kv_len_ref, bi):
