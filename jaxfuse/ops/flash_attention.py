@@ -548,12 +548,15 @@ def _xla_backward(q, k, v, q_seg, kv_seg, kv_lengths, bias, o, lse, do, cfg):
     qr = qu.reshape(tqp * g, d)
     rows = tiles.rows
 
-    def k_tile(dq, j):
+    kt = ku.T   # [d, tkp]: dq is accumulated transposed, so that its product is a plain one
+
+    def k_tile(dqt, j):
       kj = lax.dynamic_slice_in_dim(ku, j * blk, blk)
+      ktj = lax.dynamic_slice_in_dim(kt, j * blk, blk, axis=1)
       vj = lax.dynamic_slice_in_dim(vu, j * blk, blk)
 
       def step(i, carry, diagonal=False):
-        dk, dv, dq, dbias_col = carry
+        dk, dv, dqt, dbias_col = carry
         r0 = i * rows
         qc = lax.dynamic_slice_in_dim(qr, r0, rows)
         doc = lax.dynamic_slice_in_dim(dou, r0, rows)
@@ -567,16 +570,16 @@ def _xla_backward(q, k, v, q_seg, kv_seg, kv_lengths, bias, o, lse, do, cfg):
         dst = pt * (_nt(vj, doc) - delta_c[None, :])
         dv = dv + _nn(pt, doc)
         dk = dk + _nn(dst, qc)
-        dq_c = lax.dynamic_slice_in_dim(dq, r0, rows) + _nn(dst.T, kj)
-        dq = lax.dynamic_update_slice_in_dim(dq, dq_c, r0, 0)
+        dqt_c = lax.dynamic_slice_in_dim(dqt, r0, rows, axis=1) + _nn(ktj, dst)
+        dqt = lax.dynamic_update_slice_in_dim(dqt, dqt_c, r0, 1)
         if with_bias:
           tile = dst.T.reshape(blk, g, blk).transpose(1, 0, 2)
           dbias_col = lax.dynamic_update_slice_in_dim(dbias_col, tile, i * blk, 1)
-        return dk, dv, dq, dbias_col
+        return dk, dv, dqt, dbias_col
 
       zeros = jnp.zeros((blk, d), f32)
       dbias_col = jnp.zeros((g, tqp, blk), f32) if with_bias else None
-      carry = (zeros, zeros, dq, dbias_col)
+      carry = (zeros, zeros, dqt, dbias_col)
       live = j < kv_blocks   # a key tile wholly past kv_lengths gets no gradient
       if causal:
         diag = functools.partial(step, j, diagonal=True)
@@ -584,10 +587,10 @@ def _xla_backward(q, k, v, q_seg, kv_seg, kv_lengths, bias, o, lse, do, cfg):
         carry = lax.fori_loop(j + 1, jnp.where(live, nq, j + 1), step, carry)
       else:
         carry = lax.fori_loop(0, jnp.where(live, nq, 0), step, carry)
-      dk, dv, dq, dbias_col = carry
-      return dq, (dk, dv, dbias_col)
+      dk, dv, dqt, dbias_col = carry
+      return dqt, (dk, dv, dbias_col)
 
-    dq, (dk, dv, dbias_cols) = lax.scan(k_tile, jnp.zeros((tqp * g, d), f32), jnp.arange(nk))
+    dqt, (dk, dv, dbias_cols) = lax.scan(k_tile, jnp.zeros((d, tqp * g), f32), jnp.arange(nk))
     if with_bias:
       full = dbias_cols.transpose(1, 2, 0, 3).reshape(g, tqp, nk * blk)
       bb, hb = un.bias.shape[:2]
@@ -597,7 +600,7 @@ def _xla_backward(q, k, v, q_seg, kv_seg, kv_lengths, bias, o, lse, do, cfg):
       at_h = tiles.kvh * g if hb > 1 else 0
       current = lax.dynamic_slice(dbias_acc, (at_b, at_h, 0, 0), (1,) + full.shape)
       dbias_acc = lax.dynamic_update_slice(dbias_acc, current + full[None], (at_b, at_h, 0, 0))
-    return dbias_acc, (dq, dk.reshape(-1, d), dv.reshape(-1, d))
+    return dbias_acc, (dqt.T, dk.reshape(-1, d), dv.reshape(-1, d))
 
   dbias0 = jnp.zeros(un.bias.shape, f32) if with_bias else None
   units = jnp.arange(b * hkv)
