@@ -30,6 +30,7 @@ QUICK_LENGTHS = (256, 512, 1024, 2048)
 DENSE_MAX_T = 4096
 # Slow peers: skipped above this length in quick mode, to keep it within about two minutes.
 QUICK_SLOW_MAX_T = 1024
+GPU_XLA_MAX_T = 2048
 SMALL_PALLAS = dict(t=128, heads=2)   # the interpret-mode run on CPU
 FP32_RTOL, FP32_ATOL = 1e-5, 1e-5
 
@@ -154,9 +155,11 @@ def _candidates(ctx: Context, t: int):
 
 
 def _timed(ctx: Context, name: str, t: int) -> bool:
-  """Quick mode runs the slow peers only up to QUICK_SLOW_MAX_T (CPU)."""
-  return not (ctx.quick and ctx.platform != "gpu" and t > QUICK_SLOW_MAX_T
-              and name in SLOW_PEERS)
+  """Quick mode runs the slow peers only up to QUICK_SLOW_MAX_T (CPU). On GPUs the XLA path
+  (a fallback there: thousands of small tile launches) runs only up to GPU_XLA_MAX_T."""
+  if ctx.platform == "gpu":
+    return not (name == "jaxfuse-xla" and t > GPU_XLA_MAX_T)
+  return not (ctx.quick and t > QUICK_SLOW_MAX_T and name in SLOW_PEERS)
 
 
 def _skipped_notes(t: int) -> list[tuple[str, str]]:
@@ -221,8 +224,9 @@ def run(ctx: Context) -> list[Record]:
         record(name, note=f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
         continue
       if not _timed(ctx, name, t):
-        notes.append(f"not run in --quick above T={QUICK_SLOW_MAX_T} (slow peer); residual "
-                     f"bytes from its trace")
+        limit = GPU_XLA_MAX_T if ctx.platform == "gpu" else QUICK_SLOW_MAX_T
+        notes.append(f"not run above T={limit}{'' if ctx.platform == 'gpu' else ' in --quick'} "
+                     f"(slow here); residual bytes from its trace")
         record(name, residual_bytes=kept, note="; ".join(notes))
         continue
       step = _jax_step(fn)

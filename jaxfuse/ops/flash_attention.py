@@ -42,6 +42,7 @@ import dataclasses
 import functools
 import json
 import math
+import numbers
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -180,6 +181,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
     raise TypeError(f"{op}: causal must be a bool, got {causal!r}")
   impl = dispatch.resolve(op, implementation, _IMPLEMENTATIONS, _PREFERENCE)
   b, tq, hq, d = q.shape
+  if implementation is None and impl == "pallas" and d > pallas_attention.MAX_HEAD_DIM:
+    impl = "xla"  # the kernels' tiles would not fit; the XLA path takes any head dim
   tk = k.shape[1]
   scale = _default_scale(scale, d)
   segments = _segments(segment_ids, tq, tk)
@@ -216,7 +219,7 @@ class _Config:
 def _default_scale(scale, d):
   if scale is None:
     return 1.0 / math.sqrt(d)
-  if not isinstance(scale, (int, float)) or isinstance(scale, bool):
+  if not isinstance(scale, numbers.Real) or isinstance(scale, bool):
     raise TypeError(f"attention: scale must be a Python float or None, got {type(scale).__name__}")
   return float(scale)
 
