@@ -11,6 +11,7 @@ from tests.torch_ref import attention as ref
 
 
 def inputs(b, tq, tk, hq, hkv, d, dtype=jnp.float32, seed=0):
+  """Random q, k, v and an output cotangent g in the [batch, seq, heads, head_dim] layout."""
   kq, kk, kv, kg = jax.random.split(jax.random.key(seed), 4)
   q = jax.random.normal(kq, (b, tq, hq, d)).astype(dtype)
   k = jax.random.normal(kk, (b, tk, hkv, d)).astype(dtype)
@@ -39,14 +40,15 @@ def _to_torch_kw(kw):
   out = dict(kw)
   if "segment_ids" in kw:
     seg = kw["segment_ids"]
-    out["segment_ids"] = (tuple(torch.from_numpy(np.asarray(s)) for s in seg)
-                          if isinstance(seg, tuple) else torch.from_numpy(np.asarray(seg)))
+    out["segment_ids"] = (tuple(torch.from_numpy(np.array(s)) for s in seg)
+                          if isinstance(seg, tuple) else torch.from_numpy(np.array(seg)))
   if "kv_lengths" in kw:
-    out["kv_lengths"] = torch.from_numpy(np.asarray(kw["kv_lengths"]))
+    out["kv_lengths"] = torch.from_numpy(np.array(kw["kv_lengths"]))
   return out
 
 
 def torch_step(q, k, v, g, dtype=None, bias=None, **kw):
+  """The torch twin's output and gradients, in ``dtype`` (default: the inputs')."""
   tensors = [helpers.to_torch(x, dtype, requires_grad=True) for x in (q, k, v)]
   tb = None if bias is None else helpers.to_torch(bias, dtype, requires_grad=True)
   out = ref.attention(*tensors, bias=tb, **_to_torch_kw(kw))
@@ -58,6 +60,7 @@ NAMES = ("out", "dq", "dk", "dv", "dbias")
 
 
 def assert_matches_torch(got, want, what=""):
+  """The float32 rule on the output and every gradient, and no NaN anywhere."""
   for x, y, name in zip(got, want, NAMES):
     helpers.assert_close(x, y, what=f"{what} {name}")
     assert not np.isnan(helpers.to_numpy(x)).any(), f"{what} {name} has NaN"

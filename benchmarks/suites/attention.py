@@ -69,7 +69,7 @@ class _Torch:
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
     def leaf(x, grad):
-      t = torch.from_numpy(np.asarray(x.astype(jnp.float32))).to(device)
+      t = torch.from_numpy(np.array(x.astype(jnp.float32))).to(device)
       t = t.to(dtypes[jnp.dtype(x.dtype).name]).transpose(1, 2).contiguous()
       return t.requires_grad_(grad)
 
