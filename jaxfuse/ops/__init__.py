@@ -7,11 +7,13 @@ from jaxfuse.ops.cross_entropy import linear_cross_entropy, linear_cross_entropy
 from jaxfuse.ops.dispatch import (IMPLEMENTATIONS, ImplementationUnavailableError, can_run,
                                   pallas_interpret)
 from jaxfuse.ops.elementwise import add_act, add_act_reference, add_act_unfused, relu
+from jaxfuse.ops.flash_attention import attention, attention_reference, dot_product_attention
 from jaxfuse.ops.gated_linear import glu, glu_reference
 from jaxfuse.ops.linear import linear_reference, recompute_linear
 from jaxfuse.ops.normalization import (add_layer_norm, add_layer_norm_reference, add_rms_norm,
                                        add_rms_norm_reference, add_rms_norm_unfused, layer_norm,
                                        layer_norm_reference, rms_norm, rms_norm_reference)
+from jaxfuse.ops.rotary import rotary_embedding
 from jaxfuse.ops.softmax_ops import softmax, softmax_reference
 
 __all__ = [
@@ -26,9 +28,12 @@ __all__ = [
     "add_rms_norm",
     "add_rms_norm_reference",
     "add_rms_norm_unfused",
+    "attention",
+    "attention_reference",
     "bias_act",
     "bias_act_reference",
     "can_run",
+    "dot_product_attention",
     "glu",
     "glu_reference",
     "layer_norm",
@@ -41,6 +46,7 @@ __all__ = [
     "relu",
     "rms_norm",
     "rms_norm_reference",
+    "rotary_embedding",
     "softmax",
     "softmax_reference",
 ]

@@ -1,0 +1,45 @@
+"""Rotary position embedding (RoPE) for attention queries and keys.
+
+Plain jnp: XLA fuses it into the projection that feeds it. The "rotate half" convention of
+GPT-NeoX and Llama: the head dim is split into two halves ``(x1, x2)``, and each pair
+``(x1[i], x2[i])`` is rotated by the angle ``position * base ** (-2 i / head_dim)``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def rotary_embedding(x: jax.Array, positions: jax.Array, *, base: float = 10000.0) -> jax.Array:
+  """Rotates query or key vectors by their positions.
+
+  Args:
+    x: ``[batch..., seq, heads, head_dim]`` with an even ``head_dim``.
+    positions: integer or float positions, ``[seq]`` or ``[batch..., seq]``.
+    base: the wavelength base (10000 in RoPE's paper).
+
+  Returns:
+    ``x`` rotated, in its dtype (computed in float32).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxfuse.ops import rotary_embedding
+    >>> x = jnp.ones((1, 3, 2, 4))
+    >>> rotary_embedding(x, jnp.arange(3)).shape
+    (1, 3, 2, 4)
+  """
+  d = x.shape[-1]
+  if d % 2:
+    raise ValueError(f"rotary_embedding: x must have an even head dim, got shape {x.shape}")
+  if positions.shape[-1] != x.shape[-3]:
+    raise ValueError(f"rotary_embedding: positions must cover the {x.shape[-3]} positions of x "
+                     f"(axis -3), got shape {positions.shape}")
+  half = d // 2
+  inv_freq = base ** (-jnp.arange(half, dtype=jnp.float32) * 2.0 / d)
+  angles = positions.astype(jnp.float32)[..., :, None, None] * inv_freq   # [..., seq, 1, half]
+  cos, sin = jnp.cos(angles), jnp.sin(angles)
+  xf = x.astype(jnp.float32)
+  x1, x2 = xf[..., :half], xf[..., half:]
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x.dtype)

@@ -1,0 +1,655 @@
+"""FlashAttention kernels (Pallas, lowered through Triton on GPUs): forward, dq, dk/dv, dbias.
+
+Layout ``[batch, seq, heads, head_dim]``. Every kernel sees whole ``[seq, head_dim]`` slabs of
+its (batch, head) and loads power-of-2 tiles of them with masks, so sequence lengths need not be
+multiples of a tile and the head dim need not be a power of 2 (tiles are padded to the next one,
+at least 16, with zeros). Scores are kept in base 2 (``q kᵀ · scale · log2 e``) so the kernels use
+``exp2``; the saved log-sum-exp ``lse`` is in base 2 too.
+
+- ``attention_fwd_res``, grid (q tiles, heads, batch): online softmax over the key tiles a query
+  tile can see; causal programs stop at the diagonal and mask only the tiles it crosses; with
+  segment ids, key tiles whose id range does not meet the query tile's are skipped. Writes ``o``
+  and ``lse`` (``+inf`` for rows that see no key: their ``o`` is 0). ``attention_fwd`` is the
+  same kernel writing ``o`` only, for a primal pass whose residuals are recomputed later (under
+  ``jax.checkpoint``).
+- ``attention_bwd_dq``, grid (q tiles, heads, batch): recomputes ``p = exp2(s - lse)`` tile by
+  tile, ``ds = p (do vᵀ - delta)`` and accumulates ``dq = ds k``.
+- ``attention_bwd_dkdv``, grid (k tiles, kv heads, batch): walks the query tiles (and the query
+  heads sharing the kv head) that see its keys and accumulates ``dk = dsᵀ q``, ``dv = pᵀ do``
+  in registers; no atomics.
+- ``attention_bwd_dbias``, grid (q tiles, k tiles, batch x heads): ``ds`` per tile, only when a
+  bias is given. It is a kernel of its own, without side effects, so that XLA can drop it when
+  nothing uses the bias gradient.
+
+``delta = rowsum(o * do)`` is one fused XLA reduction before the backward kernels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pl_triton
+
+from . import common
+
+LOG2E = 1.4426950408889634
+_NEG_INF = float("-inf")
+_INF = float("inf")
+_BIG = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Tile sizes (powers of 2, at least 16) and Triton launch settings of the kernels.
+
+  ``block_q``/``block_k``: the forward kernel's query and key tiles; ``*_dq``: the dq (and
+  dbias) kernel's; ``*_dkdv``: the dk/dv kernel's. ``num_warps``/``num_stages`` apply to the
+  forward, ``*_bwd`` to the backward kernels.
+  """
+
+  block_q: int = 64
+  block_k: int = 64
+  block_q_dq: int = 64
+  block_k_dq: int = 64
+  block_q_dkdv: int = 64
+  block_k_dkdv: int = 64
+  num_warps: int = 4
+  num_stages: int = 2
+  num_warps_bwd: int = 4
+  num_stages_bwd: int = 2
+
+  def __post_init__(self):
+    for field in dataclasses.fields(self):
+      value = getattr(self, field.name)
+      if field.name.startswith("block"):
+        if not isinstance(value, int) or value < 16 or value & (value - 1):
+          raise ValueError(f"BlockSizes: {field.name} must be a power of 2 >= 16, got {value!r}")
+      elif not isinstance(value, int) or value < 1:
+        raise ValueError(f"BlockSizes: {field.name} must be a positive int, got {value!r}")
+
+  def clipped(self, q_len: int, kv_len: int) -> BlockSizes:
+    """The same sizes, no larger than needed to cover the sequences (at least 16)."""
+    def fit(block, n):
+      return max(16, min(block, common.next_power_of_2(max(n, 1))))
+
+    return dataclasses.replace(
+        self, block_q=fit(self.block_q, q_len), block_k=fit(self.block_k, kv_len),
+        block_q_dq=fit(self.block_q_dq, q_len), block_k_dq=fit(self.block_k_dq, kv_len),
+        block_q_dkdv=fit(self.block_q_dkdv, q_len), block_k_dkdv=fit(self.block_k_dkdv, kv_len))
+
+  def as_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+
+# Starting points for a Hopper-class GPU, keyed by (padded head dim, bytes per element): tiles
+# shrink as the head dim and the element size grow, to keep the q tile, the double-buffered
+# k/v tiles and the accumulators within shared memory and registers. `autotune` refines them.
+HEURISTIC_TABLE: dict[tuple[int, int], BlockSizes] = {
+    (64, 2): BlockSizes(128, 64, 64, 64, 64, 64, num_warps=4, num_stages=3,
+                        num_warps_bwd=4, num_stages_bwd=2),
+    (128, 2): BlockSizes(128, 64, 64, 64, 64, 64, num_warps=8, num_stages=3,
+                         num_warps_bwd=8, num_stages_bwd=2),
+    (256, 2): BlockSizes(64, 32, 32, 32, 32, 32, num_warps=8, num_stages=2,
+                         num_warps_bwd=8, num_stages_bwd=1),
+    (64, 4): BlockSizes(64, 64, 64, 32, 32, 64, num_warps=4, num_stages=2,
+                        num_warps_bwd=4, num_stages_bwd=2),
+    (128, 4): BlockSizes(64, 32, 32, 32, 32, 32, num_warps=8, num_stages=2,
+                         num_warps_bwd=8, num_stages_bwd=1),
+    (256, 4): BlockSizes(32, 32, 16, 32, 32, 16, num_warps=8, num_stages=1,
+                         num_warps_bwd=8, num_stages_bwd=1),
+}
+
+MAX_HEAD_DIM = 256
+
+
+def heuristic_block_sizes(head_dim: int, dtype) -> BlockSizes:
+  """The table's entry for this head dim (rounded up to 64, 128 or 256) and element size."""
+  if head_dim > MAX_HEAD_DIM:
+    raise ValueError(f"attention: the Pallas kernels take head dims up to {MAX_HEAD_DIM}, "
+                     f"got {head_dim}")
+  padded = max(64, common.next_power_of_2(head_dim))
+  size = 2 if jnp.dtype(dtype).itemsize <= 2 else 4
+  return HEURISTIC_TABLE[(padded, size)]
+
+
+# Static description of one call ----------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+  b: int
+  tq: int
+  tk: int
+  hq: int
+  hkv: int
+  d: int
+  scale: float
+  causal: bool
+  has_kv_lengths: bool
+  has_segments: bool
+  bias_shape: tuple[int, ...] | None
+  dtype: str
+
+  @property
+  def g(self):
+    return self.hq // self.hkv
+
+  @property
+  def dp(self):
+    return max(16, common.next_power_of_2(self.d))
+
+  @property
+  def qk_scale(self):
+    return self.scale * LOG2E
+
+  @property
+  def precision(self):
+    return lax.Precision.HIGHEST if jnp.dtype(self.dtype) == jnp.float32 else None
+
+
+def _spec(q, k, bias, kv_lengths, q_seg, scale, causal):
+  b, tq, hq, d = q.shape
+  return _Spec(b=b, tq=tq, tk=k.shape[1], hq=hq, hkv=k.shape[2], d=d, scale=float(scale),
+               causal=causal, has_kv_lengths=kv_lengths is not None,
+               has_segments=q_seg is not None,
+               bias_shape=None if bias is None else tuple(bias.shape),
+               dtype=jnp.dtype(q.dtype).name)
+
+
+def _optional_refs(spec: _Spec, refs):
+  """Splits the optional inputs off the front of ``refs``: kv_lengths, segments, bias."""
+  refs = list(refs)
+  kv_len = refs.pop(0) if spec.has_kv_lengths else None
+  q_seg = kv_seg = None
+  if spec.has_segments:
+    q_seg, kv_seg = refs.pop(0), refs.pop(0)
+  bias = refs.pop(0) if spec.bias_shape is not None else None
+  return kv_len, q_seg, kv_seg, bias, refs
+
+
+def _optional_args(spec: _Spec, kv_lengths, q_seg, kv_seg, bias, *, seg_q_map, seg_k_map,
+                   bias_map):
+  """The optional inputs and their block specs, in the order `_optional_refs` reads them."""
+  args, specs = [], []
+  if spec.has_kv_lengths:
+    args.append(kv_lengths)
+    specs.append(pl.BlockSpec((spec.b,), lambda *_: (0,)))
+  if spec.has_segments:
+    args += [q_seg, kv_seg]
+    specs += [pl.BlockSpec((None, spec.tq), seg_q_map),
+              pl.BlockSpec((None, spec.tk), seg_k_map)]
+  if spec.bias_shape is not None:
+    args.append(bias)
+    specs.append(bias_map)
+  return args, specs
+
+
+def _bias_batch(spec, bi):
+  return bi if spec.bias_shape[0] > 1 else 0
+
+
+# In-kernel helpers -----------------------------------------------------------------------------
+
+
+def _load_rows(ref, start, size, limit, spec: _Spec, other=0.0, head=None):
+  """A [size, dp] tile of a [seq, d] ref (of head ``head`` of a [seq, heads, d] ref): rows past
+  ``limit`` and columns past d read ``other``."""
+  rows = start + jnp.arange(size)
+  mask = (rows < limit)[:, None] & (jnp.arange(spec.dp) < spec.d)[None, :]
+  if head is None:
+    index = ref.at[pl.ds(start, size), pl.ds(0, spec.dp)]
+  else:  # one indexer: Triton's lowering takes no chained .at[]
+    index = ref.at[pl.ds(start, size), head, pl.ds(0, spec.dp)]
+  return pl_triton.load(index, mask=mask, other=other)
+
+
+def _store_rows(ref, start, value, limit, spec: _Spec):
+  rows = start + jnp.arange(value.shape[0])
+  mask = (rows < limit)[:, None] & (jnp.arange(spec.dp) < spec.d)[None, :]
+  pl_triton.store(ref.at[pl.ds(start, value.shape[0]), pl.ds(0, spec.dp)],
+                  value.astype(ref.dtype), mask=mask)
+
+
+def _load_vec(ref, start, size, limit, other, head=None):
+  pos = start + jnp.arange(size)
+  index = ref.at[pl.ds(start, size)] if head is None else ref.at[head, pl.ds(start, size)]
+  return pl_triton.load(index, mask=pos < limit, other=other)
+
+
+def _dot(a, b, spec, trans_b=False):
+  """``a @ b`` (or ``a @ bᵀ``) with float32 accumulation; IEEE float32 for float32 inputs."""
+  dims = (((1,), (1 if trans_b else 0,)), ((), ()))
+  return lax.dot_general(a, b, dims, precision=spec.precision,
+                         preferred_element_type=jnp.float32)
+
+
+def _kv_limit(spec, kv_len_ref, bi):
+  """Keys at positions >= this are padding for batch element ``bi``."""
+  if kv_len_ref is None:
+    return spec.tk
+  return jnp.clip(kv_len_ref[bi], 0, spec.tk)
+
+
+def _segment_range(ids, valid):
+  return (jnp.min(jnp.where(valid, ids, _BIG)), jnp.max(jnp.where(valid, ids, -_BIG)))
+
+
+def _logits(q, k, spec, qs, ks, bq, bk, kv_limit, q_ids, k_ids, bias_tile, causal_mask,
+            keys_on_rows=False):
+  """Base-2 scores of a query tile and a key tile with bias and masks (-inf where masked).
+
+  Queries on rows ([bq, bk]) unless ``keys_on_rows`` ([bk, bq]).
+  """
+  rows = qs + jnp.arange(bq)
+  cols = ks + jnp.arange(bk)
+  if keys_on_rows:
+    s = _dot(k, q, spec, trans_b=True) * spec.qk_scale
+    if bias_tile is not None:
+      s = s + bias_tile.T * LOG2E
+    mask = (cols < kv_limit)[:, None]
+    if causal_mask:
+      mask = mask & (rows[None, :] >= cols[:, None])
+    if q_ids is not None:
+      mask = mask & (k_ids[:, None] == q_ids[None, :])
+  else:
+    s = _dot(q, k, spec, trans_b=True) * spec.qk_scale
+    if bias_tile is not None:
+      s = s + bias_tile * LOG2E
+    mask = (cols < kv_limit)[None, :]
+    if causal_mask:
+      mask = mask & (rows[:, None] >= cols[None, :])
+    if q_ids is not None:
+      mask = mask & (q_ids[:, None] == k_ids[None, :])
+  return jnp.where(mask, s, _NEG_INF)
+
+
+def _load_bias(bias_ref, spec, qs, ks, bq, bk, head=None):
+  if bias_ref is None:
+    return None
+  rows = qs + jnp.arange(bq)
+  cols = ks + jnp.arange(bk)
+  mask = (rows < spec.tq)[:, None] & (cols < spec.tk)[None, :]
+  if head is None:
+    index = bias_ref.at[pl.ds(qs, bq), pl.ds(ks, bk)]
+  else:
+    index = bias_ref.at[head, pl.ds(qs, bq), pl.ds(ks, bk)]
+  tile = pl_triton.load(index, mask=mask, other=0.0)
+  return tile.astype(jnp.float32)
+
+
+def _disjoint(id_range, ids, start, limit):
+  """True when none of ``ids`` (those at positions below ``limit``) lies in ``id_range``: the
+  tiles share no segment and their scores are all masked."""
+  lo, hi = _segment_range(ids, start + jnp.arange(ids.shape[0]) < limit)
+  return (hi < id_range[0]) | (lo > id_range[1])
+
+
+def _causal_q_tiles(spec, q_tile_start, bq, bk, kv_tiles):
+  """For a query tile: key tiles [0, full) are wholly visible, [full, hi) cross the diagonal."""
+  if not spec.causal:
+    return kv_tiles, kv_tiles
+  last_row = jnp.minimum(q_tile_start + bq, spec.tq)    # exclusive
+  hi = jnp.minimum(kv_tiles, pl.cdiv(last_row, bk))
+  full = jnp.minimum(hi, (q_tile_start + 1) // bk)
+  return full, hi
+
+
+# Forward ---------------------------------------------------------------------------------------
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, *refs, spec: _Spec, bq: int, bk: int):
+  kv_len_ref, q_seg_ref, kv_seg_ref, bias_ref, outs = _optional_refs(spec, refs)
+  o_ref, lse_ref = outs if len(outs) == 2 else (outs[0], None)
+  i, bi = pl.program_id(0), pl.program_id(2)
+  if spec.causal:  # the longest rows first: better balance at the end of the launch
+    i = pl.num_programs(0) - 1 - i
+  qs = i * bq
+  q = _load_rows(q_ref, qs, bq, spec.tq, spec)
+  kv_limit = _kv_limit(spec, kv_len_ref, bi)
+  kv_tiles = pl.cdiv(kv_limit, bk)
+  q_ids = q_range = None
+  if q_seg_ref is not None:
+    q_ids = _load_vec(q_seg_ref, qs, bq, spec.tq, -1)
+    q_range = _segment_range(q_ids, qs + jnp.arange(bq) < spec.tq)
+
+  def step(j, carry, causal_mask):
+    ks = j * bk
+
+    def update(carry):
+      m, l, acc = carry
+      k = _load_rows(k_ref, ks, bk, spec.tk, spec)
+      v = _load_rows(v_ref, ks, bk, spec.tk, spec)
+      s = _logits(q, k, spec, qs, ks, bq, bk, kv_limit, q_ids, k_ids,
+                  _load_bias(bias_ref, spec, qs, ks, bq, bk), causal_mask)
+      m_new = jnp.maximum(m, jnp.max(s, axis=1))
+      m_use = jnp.where(m_new == _NEG_INF, 0.0, m_new)   # rows that saw no key yet
+      alpha = jnp.exp2(m - m_use)
+      p = jnp.exp2(s - m_use[:, None])
+      acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v, spec)
+      return m_new, l * alpha + jnp.sum(p, axis=1), acc
+
+    k_ids = None
+    if q_ids is not None:
+      k_ids = _load_vec(kv_seg_ref, ks, bk, spec.tk, -2)
+      return lax.cond(_disjoint(q_range, k_ids, ks, spec.tk), lambda c: c, update, carry)
+    return update(carry)
+
+  carry = (jnp.full((bq,), _NEG_INF, jnp.float32), jnp.zeros((bq,), jnp.float32),
+           jnp.zeros((bq, spec.dp), jnp.float32))
+  full, hi = _causal_q_tiles(spec, qs, bq, bk, kv_tiles)
+  carry = lax.fori_loop(0, full, functools.partial(step, causal_mask=False), carry)
+  if spec.causal:
+    carry = lax.fori_loop(full, hi, functools.partial(step, causal_mask=True), carry)
+  m, l, acc = carry
+  empty = l == 0.0
+  l_safe = jnp.where(empty, 1.0, l)
+  _store_rows(o_ref, qs, acc / l_safe[:, None], spec.tq, spec)
+  if lse_ref is not None:
+    lse = jnp.where(empty, _INF, m + jnp.log2(l_safe))
+    pl_triton.store(lse_ref.at[pl.ds(qs, bq)], lse, mask=qs + jnp.arange(bq) < spec.tq)
+
+
+def _visible_pairs(spec: _Spec) -> int:
+  """(query, key) pairs the causal mask leaves (all of them without it), per head."""
+  if not spec.causal:
+    return spec.tq * spec.tk
+  n = min(spec.tq, spec.tk)
+  return n * (n + 1) // 2 + max(0, spec.tq - spec.tk) * spec.tk
+
+
+def _itemsize(spec):
+  return jnp.dtype(spec.dtype).itemsize
+
+
+def forward(q, k, v, q_seg, kv_seg, kv_lengths, bias, *, causal: bool, scale: float,
+            blocks: BlockSizes, interpret: bool = False, with_lse: bool = True):
+  """``(o, lse)``: the attention output and the base-2 row log-sum-exp ``[b, heads, q_len]``.
+
+  Without ``with_lse`` the kernel (``attention_fwd`` instead of ``attention_fwd_res``) writes
+  ``o`` only and ``lse`` is None: the primal pass under ``jax.checkpoint`` needs no residuals.
+  """
+  spec = _spec(q, k, bias, kv_lengths, q_seg, scale, causal)
+  bq, bk = blocks.block_q, blocks.block_k
+  g = spec.g
+  slab_q = pl.BlockSpec((None, spec.tq, None, spec.d), lambda i, h, bi: (bi, 0, h, 0))
+  slab_k = pl.BlockSpec((None, spec.tk, None, spec.d), lambda i, h, bi: (bi, 0, h // g, 0))
+  bias_map = None
+  if bias is not None:
+    hb = spec.bias_shape[1]
+    bias_map = pl.BlockSpec((None, None, spec.tq, spec.tk),
+                            lambda i, h, bi: (_bias_batch(spec, bi), h if hb > 1 else 0, 0, 0))
+  extra, extra_specs = _optional_args(
+      spec, kv_lengths, q_seg, kv_seg, bias, seg_q_map=lambda i, h, bi: (bi, 0),
+      seg_k_map=lambda i, h, bi: (bi, 0), bias_map=bias_map)
+  out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+  out_specs = [slab_q]
+  if with_lse:
+    out_shape.append(jax.ShapeDtypeStruct((spec.b, spec.hq, spec.tq), jnp.float32))
+    out_specs.append(pl.BlockSpec((None, None, spec.tq), lambda i, h, bi: (bi, h, 0)))
+  nq = pl.cdiv(spec.tq, bq)
+  pairs = _visible_pairs(spec) * spec.b * spec.hq
+  item = _itemsize(spec)
+  kv_reads = 2 * pairs // max(spec.tq, 1) * bq * spec.d * item  # each q tile reads its k/v
+  traffic = (2 * q.size * item + kv_reads + with_lse * spec.b * spec.hq * spec.tq * 4
+             + (bias.size * bias.dtype.itemsize if bias is not None else 0))
+  outs = pl.pallas_call(
+      functools.partial(_fwd_kernel, spec=spec, bq=bq, bk=bk),
+      out_shape=out_shape,
+      grid=(nq, spec.hq, spec.b),
+      in_specs=[slab_q, slab_k, slab_k] + extra_specs,
+      out_specs=out_specs,
+      interpret=interpret,
+      compiler_params=common.triton_params(blocks.num_warps, blocks.num_stages),
+      cost_estimate=common.cost(bytes_accessed=traffic, flops=4 * pairs * spec.d,
+                                transcendentals=pairs),
+      name="attention_fwd_res" if with_lse else "attention_fwd",
+  )(q, k, v, *extra)
+  return (outs[0], outs[1]) if with_lse else (outs[0], None)
+
+
+# Backward --------------------------------------------------------------------------------------
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, *refs, spec: _Spec, bq: int, bk: int):
+  kv_len_ref, q_seg_ref, kv_seg_ref, bias_ref, (do_ref, lse_ref, delta_ref, dq_ref) = (
+      _optional_refs(spec, refs))
+  i, bi = pl.program_id(0), pl.program_id(2)
+  if spec.causal:
+    i = pl.num_programs(0) - 1 - i
+  qs = i * bq
+  q = _load_rows(q_ref, qs, bq, spec.tq, spec)
+  do = _load_rows(do_ref, qs, bq, spec.tq, spec)
+  lse = _load_vec(lse_ref, qs, bq, spec.tq, _INF)
+  delta = _load_vec(delta_ref, qs, bq, spec.tq, 0.0)
+  kv_limit = _kv_limit(spec, kv_len_ref, bi)
+  kv_tiles = pl.cdiv(kv_limit, bk)
+  q_ids = q_range = None
+  if q_seg_ref is not None:
+    q_ids = _load_vec(q_seg_ref, qs, bq, spec.tq, -1)
+    q_range = _segment_range(q_ids, qs + jnp.arange(bq) < spec.tq)
+
+  def step(j, dq, causal_mask):
+    ks = j * bk
+
+    def update(dq):
+      k = _load_rows(k_ref, ks, bk, spec.tk, spec)
+      v = _load_rows(v_ref, ks, bk, spec.tk, spec)
+      s = _logits(q, k, spec, qs, ks, bq, bk, kv_limit, q_ids, k_ids,
+                  _load_bias(bias_ref, spec, qs, ks, bq, bk), causal_mask)
+      p = jnp.exp2(s - lse[:, None])
+      ds = p * (_dot(do, v, spec, trans_b=True) - delta[:, None])
+      return dq + _dot(ds.astype(k.dtype), k, spec)
+
+    k_ids = None
+    if q_ids is not None:
+      k_ids = _load_vec(kv_seg_ref, ks, bk, spec.tk, -2)
+      return lax.cond(_disjoint(q_range, k_ids, ks, spec.tk), lambda c: c, update, dq)
+    return update(dq)
+
+  dq = jnp.zeros((bq, spec.dp), jnp.float32)
+  full, hi = _causal_q_tiles(spec, qs, bq, bk, kv_tiles)
+  dq = lax.fori_loop(0, full, functools.partial(step, causal_mask=False), dq)
+  if spec.causal:
+    dq = lax.fori_loop(full, hi, functools.partial(step, causal_mask=True), dq)
+  _store_rows(dq_ref, qs, dq * spec.scale, spec.tq, spec)
+
+
+def _dkdv_kernel(q_ref, k_ref, v_ref, *refs, spec: _Spec, bq: int, bk: int):
+  kv_len_ref, q_seg_ref, kv_seg_ref, bias_ref, (do_ref, lse_ref, delta_ref, dk_ref, dv_ref) = (
+      _optional_refs(spec, refs))
+  j, bi = pl.program_id(0), pl.program_id(2)
+  ks = j * bk
+  k = _load_rows(k_ref, ks, bk, spec.tk, spec)
+  v = _load_rows(v_ref, ks, bk, spec.tk, spec)
+  kv_limit = _kv_limit(spec, kv_len_ref, bi)
+  nq = pl.cdiv(spec.tq, bq)
+  if spec.causal:
+    lo = jnp.minimum(ks // bq, nq)                   # first query tile with a row >= ks
+    mid = jnp.clip(pl.cdiv(ks + bk - 1, bq), lo, nq)  # tiles from here on see all of them
+  else:
+    lo = mid = 0
+  live = ks < kv_limit                                # keys past kv_lengths get no gradient
+  hi = jnp.where(live, nq, lo)
+  mid = jnp.minimum(mid, hi)
+  k_ids = k_range = None
+  if kv_seg_ref is not None:
+    k_ids = _load_vec(kv_seg_ref, ks, bk, spec.tk, -2)
+    k_range = _segment_range(k_ids, ks + jnp.arange(bk) < spec.tk)
+  hb = spec.bias_shape[1] if spec.bias_shape is not None else 0
+
+  def head(gi, carry):
+    def step(i, carry, causal_mask):
+      qs = i * bq
+
+      def update(carry):
+        dk, dv = carry
+        q = _load_rows(q_ref, qs, bq, spec.tq, spec, head=gi)
+        do = _load_rows(do_ref, qs, bq, spec.tq, spec, head=gi)
+        lse = _load_vec(lse_ref, qs, bq, spec.tq, _INF, head=gi)
+        delta = _load_vec(delta_ref, qs, bq, spec.tq, 0.0, head=gi)
+        bias_tile = _load_bias(bias_ref, spec, qs, ks, bq, bk, head=gi if hb > 1 else None)
+        st = _logits(q, k, spec, qs, ks, bq, bk, kv_limit, q_ids, k_ids, bias_tile,
+                     causal_mask, keys_on_rows=True)
+        pt = jnp.exp2(st - lse[None, :])
+        dv = dv + _dot(pt.astype(do.dtype), do, spec)
+        dst = pt * (_dot(v, do, spec, trans_b=True) - delta[None, :])
+        dk = dk + _dot(dst.astype(q.dtype), q, spec)
+        return dk, dv
+
+      q_ids = None
+      if q_seg_ref is not None:
+        q_ids = _load_vec(q_seg_ref, qs, bq, spec.tq, -1)
+        return lax.cond(_disjoint(k_range, q_ids, qs, spec.tq), lambda c: c, update, carry)
+      return update(carry)
+
+    carry = lax.fori_loop(lo, mid, functools.partial(step, causal_mask=spec.causal), carry)
+    return lax.fori_loop(mid, hi, functools.partial(step, causal_mask=False), carry)
+
+  zeros = jnp.zeros((bk, spec.dp), jnp.float32)
+  dk, dv = lax.fori_loop(0, spec.g, head, (zeros, zeros))
+  _store_rows(dk_ref, ks, dk * spec.scale, spec.tk, spec)
+  _store_rows(dv_ref, ks, dv, spec.tk, spec)
+
+
+def _dbias_kernel(q_ref, k_ref, v_ref, *refs, spec: _Spec, bq: int, bk: int):
+  kv_len_ref, q_seg_ref, kv_seg_ref, bias_ref, (do_ref, lse_ref, delta_ref, ds_ref) = (
+      _optional_refs(spec, refs))
+  i, j = pl.program_id(0), pl.program_id(1)
+  bi = pl.program_id(2) // spec.hq
+  qs, ks = i * bq, j * bk
+  q = _load_rows(q_ref, qs, bq, spec.tq, spec)
+  do = _load_rows(do_ref, qs, bq, spec.tq, spec)
+  k = _load_rows(k_ref, ks, bk, spec.tk, spec)
+  v = _load_rows(v_ref, ks, bk, spec.tk, spec)
+  lse = _load_vec(lse_ref, qs, bq, spec.tq, _INF)
+  delta = _load_vec(delta_ref, qs, bq, spec.tq, 0.0)
+  q_ids = k_ids = None
+  if q_seg_ref is not None:
+    q_ids = _load_vec(q_seg_ref, qs, bq, spec.tq, -1)
+    k_ids = _load_vec(kv_seg_ref, ks, bk, spec.tk, -2)
+  s = _logits(q, k, spec, qs, ks, bq, bk, _kv_limit(spec, kv_len_ref, bi), q_ids, k_ids,
+              _load_bias(bias_ref, spec, qs, ks, bq, bk), spec.causal)
+  p = jnp.exp2(s - lse[:, None])
+  ds = p * (_dot(do, v, spec, trans_b=True) - delta[:, None])
+  rows = qs + jnp.arange(bq)
+  cols = ks + jnp.arange(bk)
+  mask = (rows < spec.tq)[:, None] & (cols < spec.tk)[None, :]
+  pl_triton.store(ds_ref.at[pl.ds(qs, bq), pl.ds(ks, bk)], ds.astype(ds_ref.dtype), mask=mask)
+
+
+def backward(q, k, v, q_seg, kv_seg, kv_lengths, bias, o, lse, do, *, causal: bool,
+             scale: float, blocks: BlockSizes, interpret: bool = False):
+  """``(dq, dk, dv, dbias)`` from the residuals; ``dbias`` is None without a bias."""
+  spec = _spec(q, k, bias, kv_lengths, q_seg, scale, causal)
+  g, item = spec.g, _itemsize(spec)
+  delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1).transpose(0, 2, 1)
+  pairs = _visible_pairs(spec) * spec.b * spec.hq
+  params = common.triton_params(blocks.num_warps_bwd, blocks.num_stages_bwd)
+  row_bytes = spec.b * spec.hq * spec.tq * 4
+
+  # dq: grid (q tiles, heads, batch), like the forward.
+  bq, bk = blocks.block_q_dq, blocks.block_k_dq
+  slab_q = pl.BlockSpec((None, spec.tq, None, spec.d), lambda i, h, bi: (bi, 0, h, 0))
+  slab_k = pl.BlockSpec((None, spec.tk, None, spec.d), lambda i, h, bi: (bi, 0, h // g, 0))
+  rows = pl.BlockSpec((None, None, spec.tq), lambda i, h, bi: (bi, h, 0))
+  bias_map = None
+  if bias is not None:
+    hb = spec.bias_shape[1]
+    bias_map = pl.BlockSpec((None, None, spec.tq, spec.tk),
+                            lambda i, h, bi: (_bias_batch(spec, bi), h if hb > 1 else 0, 0, 0))
+  extra, extra_specs = _optional_args(
+      spec, kv_lengths, q_seg, kv_seg, bias, seg_q_map=lambda i, h, bi: (bi, 0),
+      seg_k_map=lambda i, h, bi: (bi, 0), bias_map=bias_map)
+  bias_bytes = bias.size * bias.dtype.itemsize if bias is not None else 0
+  kv_reads = 2 * pairs // max(spec.tq, 1) * bq * spec.d * item
+  dq = pl.pallas_call(
+      functools.partial(_dq_kernel, spec=spec, bq=bq, bk=bk),
+      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      grid=(pl.cdiv(spec.tq, bq), spec.hq, spec.b),
+      in_specs=[slab_q, slab_k, slab_k] + extra_specs + [slab_q, rows, rows],
+      out_specs=slab_q,
+      interpret=interpret,
+      compiler_params=params,
+      cost_estimate=common.cost(bytes_accessed=3 * q.size * item + kv_reads + 2 * row_bytes
+                                + bias_bytes, flops=6 * pairs * spec.d, transcendentals=pairs),
+      name="attention_bwd_dq",
+  )(q, k, v, *extra, do, lse, delta)
+
+  # dk, dv: grid (k tiles, kv heads, batch); each program walks the g query heads of its kv head.
+  bq, bk = blocks.block_q_dkdv, blocks.block_k_dkdv
+  group_q = pl.BlockSpec((None, spec.tq, g, spec.d), lambda j, h, bi: (bi, 0, h, 0))
+  own_k = pl.BlockSpec((None, spec.tk, None, spec.d), lambda j, h, bi: (bi, 0, h, 0))
+  group_rows = pl.BlockSpec((None, g, spec.tq), lambda j, h, bi: (bi, h, 0))
+  bias_map = None
+  if bias is not None:
+    hb = spec.bias_shape[1]
+    bias_map = pl.BlockSpec((None, g if hb > 1 else None, spec.tq, spec.tk),
+                            lambda j, h, bi: (_bias_batch(spec, bi), h if hb > 1 else 0, 0, 0))
+  extra, extra_specs = _optional_args(
+      spec, kv_lengths, q_seg, kv_seg, bias, seg_q_map=lambda j, h, bi: (bi, 0),
+      seg_k_map=lambda j, h, bi: (bi, 0), bias_map=bias_map)
+  q_tiles_read = pairs // max(spec.tk, 1) * bk   # query rows read per key tile, summed
+  q_reads = q_tiles_read * (2 * spec.d * item + 8)
+  dk, dv = pl.pallas_call(
+      functools.partial(_dkdv_kernel, spec=spec, bq=bq, bk=bk),
+      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype)] * 2,
+      grid=(pl.cdiv(spec.tk, bk), spec.hkv, spec.b),
+      in_specs=[group_q, own_k, own_k] + extra_specs + [group_q, group_rows, group_rows],
+      out_specs=[own_k, own_k],
+      interpret=interpret,
+      compiler_params=params,
+      cost_estimate=common.cost(bytes_accessed=4 * k.size * item + q_reads + bias_bytes,
+                                flops=8 * pairs * spec.d, transcendentals=pairs),
+      name="attention_bwd_dkdv",
+  )(q, k, v, *extra, do, lse, delta)
+
+  dbias = None
+  if bias is not None:
+    dbias = _dbias(q, k, v, q_seg, kv_seg, kv_lengths, bias, lse, delta, do, spec, blocks,
+                   interpret)
+  return dq, dk, dv, dbias
+
+
+def _dbias(q, k, v, q_seg, kv_seg, kv_lengths, bias, lse, delta, do, spec, blocks, interpret):
+  """ds for every (batch, head, query, key), summed over the axes the bias broadcasts."""
+  bq, bk = blocks.block_q_dq, blocks.block_k_dq
+  g, hq = spec.g, spec.hq
+  slab_q = pl.BlockSpec((None, spec.tq, None, spec.d), lambda i, j, n: (n // hq, 0, n % hq, 0))
+  slab_k = pl.BlockSpec((None, spec.tk, None, spec.d),
+                        lambda i, j, n: (n // hq, 0, (n % hq) // g, 0))
+  rows = pl.BlockSpec((None, None, spec.tq), lambda i, j, n: (n // hq, n % hq, 0))
+  hb = spec.bias_shape[1]
+  bias_map = pl.BlockSpec(
+      (None, None, spec.tq, spec.tk),
+      lambda i, j, n: (_bias_batch(spec, n // hq), n % hq if hb > 1 else 0, 0, 0))
+  extra, extra_specs = _optional_args(
+      spec, kv_lengths, q_seg, kv_seg, bias, seg_q_map=lambda i, j, n: (n // hq, 0),
+      seg_k_map=lambda i, j, n: (n // hq, 0), bias_map=bias_map)
+  out = jax.ShapeDtypeStruct((spec.b, hq, spec.tq, spec.tk), jnp.float32)
+  item = _itemsize(spec)
+  n_tiles = pl.cdiv(spec.tq, bq) * pl.cdiv(spec.tk, bk) * spec.b * hq
+  traffic = n_tiles * (2 * (bq + bk) * spec.d * item + 2 * bq * 4) + 2 * math.prod(out.shape) * 4
+  ds = pl.pallas_call(
+      functools.partial(_dbias_kernel, spec=spec, bq=bq, bk=bk),
+      out_shape=out,
+      grid=(pl.cdiv(spec.tq, bq), pl.cdiv(spec.tk, bk), spec.b * hq),
+      in_specs=[slab_q, slab_k, slab_k] + extra_specs + [slab_q, rows, rows],
+      out_specs=pl.BlockSpec((None, None, spec.tq, spec.tk),
+                             lambda i, j, n: (n // hq, n % hq, 0, 0)),
+      interpret=interpret,
+      compiler_params=common.triton_params(blocks.num_warps_bwd, blocks.num_stages_bwd),
+      cost_estimate=common.cost(bytes_accessed=traffic,
+                                flops=4 * spec.b * hq * spec.tq * spec.tk * spec.d,
+                                transcendentals=spec.b * hq * spec.tq * spec.tk),
+      name="attention_bwd_dbias",
+  )(q, k, v, *extra, do, lse, delta)
+  axes = tuple(a for a in (0, 1) if spec.bias_shape[a] == 1)
+  if axes:
+    ds = jnp.sum(ds, axis=axes, keepdims=True)
+  return ds.astype(bias.dtype)

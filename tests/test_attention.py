@@ -1,0 +1,224 @@
+"""jaxfuse.ops.attention against torch's scaled_dot_product_attention: output, dq, dk, dv (and
+dbias) across lengths, heads, masks and dtypes, memory, and bad input. The Pallas kernels run in
+interpret mode at small shapes here; their lowering for GPUs is in test_attention_pallas.py."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from jaxfuse.metrics import residual_bytes, torch_residual_bytes
+from jaxfuse.ops import attention, attention_reference
+from tests import helpers
+from tests.attention_common import (FAST_COMPILE, NAMES, assert_matches_torch, inputs, jax_step,
+                                    torch_step)
+
+
+# Float32 against torch, across lengths, heads and masks ----------------------------------------
+
+# (batch, q_len, kv_len, q_heads, kv_heads, head_dim). XLA runs every length; Pallas runs in
+# interpret mode on CPU, so it takes the small ones.
+XLA_CASES = [
+    ((2, 1, 1, 2, 2, 64), True),
+    ((2, 77, 77, 4, 2, 64), False),       # GQA
+    ((2, 77, 77, 4, 2, 64), True),
+    ((1, 1000, 1000, 2, 1, 64), False),   # MQA, not a multiple of any tile
+    ((1, 1000, 1000, 2, 1, 64), True),
+    ((1, 1024, 1024, 2, 2, 32), True),
+]
+
+
+def _case_id(shape, causal):
+  return "b{}_tq{}_tk{}_h{}/{}_d{}".format(*shape) + ("-causal" if causal else "-full")
+
+
+@pytest.mark.parametrize("shape, causal", XLA_CASES, ids=[_case_id(*c) for c in XLA_CASES])
+def test_xla_fp32_matches_torch(shape, causal):
+  q, k, v, g = inputs(*shape)
+  got = jax_step(q, k, v, g, "xla", causal=causal)
+  assert_matches_torch(got, torch_step(q, k, v, g, causal=causal), f"{shape} causal={causal}")
+
+
+LENGTH_CASES = [("xla", (77, 130), True), ("xla", (130, 77), False), ("xla", (130, 77), True),
+                ("xla", (77, 130), False), ("pallas", (77, 130), True), ("pallas", (130, 77), False)]
+
+
+@pytest.mark.parametrize("impl, lengths, causal", LENGTH_CASES,
+                         ids=[f"{i}-q{a}-kv{b}-{'causal' if c else 'full'}"
+                              for i, (a, b), c in LENGTH_CASES])
+def test_q_and_kv_lengths_differ(impl, lengths, causal, pallas_mode):
+  q, k, v, g = inputs(1, lengths[0], lengths[1], 2, 1, 32, seed=2)
+  got = jax_step(q, k, v, g, impl, causal=causal)
+  assert_matches_torch(got, torch_step(q, k, v, g, causal=causal), f"{lengths}")
+
+
+@pytest.mark.parametrize("impl, d", [("xla", 256), ("pallas", 256)])
+def test_head_dim_range(impl, d, pallas_mode):
+  q, k, v, g = inputs(1, 50, 50, 2, 2, d, seed=3)
+  scale = 1.5 / d**0.5
+  got = jax_step(q, k, v, g, impl, causal=True, scale=scale)
+  assert_matches_torch(got, torch_step(q, k, v, g, causal=True, scale=scale), f"d={d}")
+
+
+@pytest.mark.parametrize("impl, causal", [("xla", False), ("xla", True), ("pallas", True)])
+def test_padding_segments_and_fully_masked_rows(impl, causal, pallas_mode):
+  """kv_lengths (one full row, one padded, one empty) and segment ids (sorted, with queries
+  whose segment has no key): the output and gradients match torch; rows that see no key give
+  zeros, keys past kv_lengths get zero gradients, and nothing is NaN."""
+  t = 300 if impl == "xla" else 77
+  q, k, v, g = inputs(3, t, t, 2, 1, 32, seed=4)
+  kv_lengths = jnp.array([t, t // 3, 0], jnp.int32)
+  rng = np.random.default_rng(4)
+  kv_seg = np.sort(rng.integers(0, 4, (3, t)), axis=1).astype(np.int32)
+  q_seg = kv_seg.copy()
+  q_seg[0, :5] = 9                    # no key has segment 9
+  seg = (jnp.asarray(q_seg), jnp.asarray(kv_seg))
+  kw = dict(causal=causal, kv_lengths=kv_lengths, segment_ids=seg)
+  got = jax_step(q, k, v, g, impl, **kw)
+  assert_matches_torch(got, torch_step(q, k, v, g, **kw), "masks")
+  out, dq, dk, dv = (helpers.to_numpy(x) for x in got)
+  for x in (out, dq):
+    assert (x[2] == 0).all() and (x[0, :5] == 0).all()
+  assert (dk[1, t // 3:] == 0).all() and (dv[1, t // 3:] == 0).all()
+  assert (dk[2] == 0).all() and (dv[2] == 0).all()
+
+
+@pytest.mark.parametrize("impl, bias_shape", [
+    ("xla", (2, 4, 60, 70)), ("xla", (1, 1, 60, 70)), ("xla", (2, 1, 1, 70)),
+    ("pallas", (2, 4, 60, 70))], ids=str)
+def test_bias_and_its_gradient(impl, bias_shape, pallas_mode):
+  q, k, v, g = inputs(2, 60, 70, 4, 2, 32, seed=7)
+  bias = jax.random.normal(jax.random.key(8), bias_shape)
+  # -inf entries mask too; with a batch axis, some query rows are masked out entirely.
+  bias = jnp.where(jax.random.uniform(jax.random.key(9), bias_shape) < 0.2, -jnp.inf, bias)
+  if bias_shape[0] == 2:
+    bias = bias.at[1, :, :].set(-jnp.inf) if bias_shape[2] == 1 else bias.at[1, :, 5].set(-jnp.inf)
+  got = jax_step(q, k, v, g, impl, bias=bias, causal=True)
+  want = torch_step(q, k, v, g, bias=bias, causal=True)
+  assert got[4].shape == bias.shape
+  assert_matches_torch(got, want, f"bias {bias_shape}")
+
+
+# Low precision ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("impl, dtype, causal", [
+    ("xla", jnp.bfloat16, True), ("xla", jnp.float16, False), ("pallas", jnp.bfloat16, True),
+    ("pallas", jnp.float16, False)],
+    ids=lambda x: jnp.dtype(x).name if not isinstance(x, (str, bool)) else str(x))
+def test_low_precision_within_twice_torch_error(impl, dtype, causal, pallas_mode):
+  """Against float64, our output and gradients err at most 2x torch's in the same dtype."""
+  shape = (1, 1000, 1000, 2, 1, 64) if impl == "xla" else (1, 77, 77, 2, 1, 64)
+  q, k, v, g = inputs(*shape, dtype=dtype, seed=10)
+  got = jax_step(q, k, v, g, impl, causal=causal)
+  exact = torch_step(q, k, v, g, dtype=torch.float64, causal=causal)
+  torch_low = torch_step(q, k, v, g, causal=causal)
+  for x, e, t, name in zip(got, exact, torch_low, NAMES):
+    assert x.dtype == dtype
+    helpers.assert_within_torch_error(x, e, t, k=2.0, what=f"{impl} {name}")
+
+
+# Composition -----------------------------------------------------------------------------------
+
+
+def test_jit_vmap_and_remat_compose():
+  q, k, v, g = inputs(3, 50, 50, 2, 2, 32, seed=11)
+
+  def loss(q, k, v):
+    return jnp.sum(attention(q, k, v, causal=True) * g)
+
+  grads = jax.jit(jax.grad(jax.checkpoint(loss), argnums=(0, 1, 2)),
+                  compiler_options=FAST_COMPILE)(q, k, v)
+  want = torch_step(q, k, v, g, causal=True)
+  for x, y in zip(grads, want[1:]):
+    helpers.assert_close(x, y)
+  per_example = jax.vmap(lambda q, k, v: attention(q[None], k[None], v[None], causal=True)[0])
+  helpers.assert_close(jax.jit(per_example, compiler_options=FAST_COMPILE)(q, k, v), want[0])
+
+
+def test_reference_matches_torch():
+  q, k, v, g = inputs(2, 33, 45, 4, 2, 16, seed=12)
+  seg = (jnp.arange(33)[None].repeat(2, 0) // 10, jnp.arange(45)[None].repeat(2, 0) // 14)
+  kw = dict(causal=True, segment_ids=seg, kv_lengths=jnp.array([45, 20]))
+  def value_and_grads(q, k, v, g):
+    out, vjp = jax.vjp(lambda q, k, v: attention_reference(q, k, v, **kw), q, k, v)
+    return (out, *vjp(g))
+
+  got = jax.jit(value_and_grads, compiler_options=FAST_COMPILE)(q, k, v, g)
+  assert_matches_torch(got, torch_step(q, k, v, g, **kw), "reference")
+
+
+# Memory ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("impl", helpers.CPU_IMPLEMENTATIONS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+def test_backward_keeps_only_output_and_logsumexp(impl, dtype, pallas_mode):
+  b, t, h, d = 1, 256, 4, 64
+  q, k, v, _ = inputs(b, t, t, h, h, d, dtype=dtype)
+  f = lambda q, k, v: jnp.sum(attention(q, k, v, causal=True, implementation=impl))  # noqa: E731
+  kept = residual_bytes(f, q, k, v)
+  assert kept == q.nbytes + b * h * t * 4   # o, and one float32 per query row and head
+  naive = residual_bytes(lambda q, k, v: jnp.sum(attention_reference(q, k, v, causal=True)),
+                         q, k, v)
+  assert naive >= t / (d + 1) * kept        # the unfused softmax keeps [t, t] per head
+
+
+def test_residuals_at_most_torch_sdpa():
+  b, t, h, d = 1, 512, 4, 64
+  q, k, v, _ = inputs(b, t, t, h, h, d)
+  ours = residual_bytes(lambda q, k, v: jnp.sum(attention(q, k, v, causal=True)), q, k, v)
+  tq, tk, tv = (helpers.to_torch(x).transpose(1, 2).contiguous().requires_grad_()
+                for x in (q, k, v))
+  theirs = torch_residual_bytes(
+      lambda: torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=True).sum(),
+      exclude=[tq, tk, tv])
+  assert 0 < ours <= 1.25 * theirs
+
+
+# Bad input -------------------------------------------------------------------------------------
+
+
+def test_errors_name_the_argument():
+  q = jnp.ones((2, 8, 4, 16))
+  kv = jnp.ones((2, 8, 2, 16))
+  with pytest.raises(ValueError, match=r"q must have rank 4, got shape \(8, 4, 16\)"):
+    attention(q[0], kv, kv)
+  with pytest.raises(TypeError, match=r"k must have a floating dtype.*int32"):
+    attention(q, kv.astype(jnp.int32), kv)
+  with pytest.raises(TypeError, match=r"q, k, v must share one dtype.*bfloat16"):
+    attention(q, kv.astype(jnp.bfloat16), kv.astype(jnp.bfloat16))
+  with pytest.raises(ValueError, match=r"k, v must have the same shape"):
+    attention(q, kv, kv[:, :4])
+  with pytest.raises(ValueError, match=r"kv heads of k .*3.* must divide the heads of q"):
+    attention(q, jnp.ones((2, 8, 3, 16)), jnp.ones((2, 8, 3, 16)))
+  with pytest.raises(ValueError, match=r"k must have size 16 on axis 3 \(the head dim of q\)"):
+    attention(q, jnp.ones((2, 8, 2, 8)), jnp.ones((2, 8, 2, 8)))
+  with pytest.raises(ValueError, match=r"k must have size 2 on axis 0 \(the batch size of q\)"):
+    attention(q, kv[:1], kv[:1])
+  with pytest.raises(ValueError, match=r"segment_ids must have shape \(2, 8\), got \(2, 7\)"):
+    attention(q, kv, kv, segment_ids=jnp.zeros((2, 7), jnp.int32))
+  with pytest.raises(TypeError, match=r"segment_ids must be an integer array, got float32"):
+    attention(q, kv, kv, segment_ids=jnp.zeros((2, 8)))
+  with pytest.raises(ValueError, match=r"segment_ids as one array needs q and k of one length"):
+    attention(q, kv[:, :5], kv[:, :5], segment_ids=jnp.zeros((2, 8), jnp.int32))
+  with pytest.raises(ValueError, match=r"kv_lengths must have shape \(2,\), got \(3,\)"):
+    attention(q, kv, kv, kv_lengths=jnp.array([1, 2, 3]))
+  with pytest.raises(TypeError, match=r"kv_lengths must be an integer array, got float32"):
+    attention(q, kv, kv, kv_lengths=jnp.array([1.0, 2.0]))
+  with pytest.raises(ValueError, match=r"bias must have shape .*got shape \(2, 3, 8, 8\)"):
+    attention(q, kv, kv, bias=jnp.zeros((2, 3, 8, 8)))
+  with pytest.raises(ValueError, match=r"bias must have rank 4"):
+    attention(q, kv, kv, bias=jnp.zeros((8, 8)))
+  with pytest.raises(TypeError, match=r"scale must be a Python float"):
+    attention(q, kv, kv, scale="big")
+  with pytest.raises(ValueError, match=r"implementation must be None or one of.*'cuda'"):
+    attention(q, kv, kv, implementation="cuda")
+  with pytest.raises(ValueError, match=r"implementation='triton' is not provided"):
+    attention(q, kv, kv, implementation="triton")
+
+
+def test_empty_sequences():
+  q, k, v, _ = inputs(1, 5, 0, 2, 2, 16)
+  assert jnp.array_equal(attention(q, k, v), jnp.zeros_like(q))

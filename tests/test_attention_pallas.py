@@ -1,0 +1,126 @@
+"""The Pallas attention kernels: interpret-mode runs against torch at small shapes, lowering for
+CUDA (Triton) of every kernel forward and backward, the remat kernel count, tile sizes and the
+autotuner. The tests shared with the XLA path are in test_attention.py."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jaxfuse
+from jaxfuse.ops import attention
+from jaxfuse.ops import flash_attention as fa
+from tests import helpers
+from tests.attention_common import assert_matches_torch, inputs, jax_step, torch_step
+
+
+PALLAS_CASES = [
+    ((2, 1, 1, 2, 2, 64), True),
+    ((2, 77, 77, 4, 2, 40), True),      # GQA, head dim not a power of 2
+    ((1, 130, 130, 2, 1, 32), False),   # MQA, several tiles with a tail
+]
+
+
+def _case_id(shape, causal):
+  return "b{}_tq{}_tk{}_h{}/{}_d{}".format(*shape) + ("-causal" if causal else "-full")
+
+
+@pytest.mark.parametrize("shape, causal", PALLAS_CASES,
+                         ids=[_case_id(s, c) for s, c in PALLAS_CASES])
+def test_pallas_fp32_matches_torch(shape, causal, pallas_mode):
+  q, k, v, g = inputs(*shape, seed=1)
+  got = jax_step(q, k, v, g, "pallas", causal=causal)
+  assert_matches_torch(got, torch_step(q, k, v, g, causal=causal), f"{shape} causal={causal}")
+
+
+# Lowering for GPUs -----------------------------------------------------------------------------
+
+KERNELS = ["attention_bwd_dkdv", "attention_bwd_dq", "attention_fwd_res"]
+
+
+@pytest.mark.parametrize("dtype, d", [(jnp.float32, 40), (jnp.float32, 128), (jnp.float32, 256),
+                                      (jnp.bfloat16, 64), (jnp.bfloat16, 256), (jnp.float16, 128)],
+                         ids=lambda x: jnp.dtype(x).name if not isinstance(x, int) else f"d{x}")
+def test_pallas_kernels_lower_for_cuda(dtype, d):
+  q, k, v, _ = inputs(2, 77, 100, 4, 2, d, dtype=dtype)
+  step = jax.value_and_grad(
+      lambda q, k, v: jnp.sum(attention(q, k, v, causal=True, implementation="pallas")
+                              .astype(jnp.float32) ** 2), argnums=(0, 1, 2))
+  assert sorted(helpers.triton_kernel_names(helpers.lower_for_gpu(step, q, k, v))) == KERNELS
+
+
+def test_pallas_kernels_lower_for_cuda_with_every_mask():
+  q, k, v, _ = inputs(2, 77, 100, 4, 2, 64, dtype=jnp.bfloat16)
+  seg = (jnp.zeros((2, 77), jnp.int32), jnp.zeros((2, 100), jnp.int32))
+  lengths = jnp.array([50, 100], jnp.int32)
+  bias = jnp.zeros((1, 4, 77, 100), jnp.float32)
+
+  def loss(q, k, v, bias):
+    o = attention(q, k, v, causal=True, segment_ids=seg, kv_lengths=lengths, bias=bias,
+                  implementation="pallas")
+    return jnp.sum(o.astype(jnp.float32))
+
+  step = jax.value_and_grad(loss, argnums=(0, 1, 2, 3))
+  names = sorted(helpers.triton_kernel_names(helpers.lower_for_gpu(step, q, k, v, bias)))
+  assert names == ["attention_bwd_dbias"] + KERNELS
+
+
+def test_remat_runs_each_kernel_once():
+  """Under jit(value_and_grad(remat(f))): the primal pass runs the forward kernel that writes
+  only the output; the backward recomputes the residuals once with the kernel that also writes
+  the log-sum-exp, then runs the two backward kernels. Each launches exactly once."""
+  q, k, v, w = inputs(1, 100, 100, 2, 2, 64)
+  loss = lambda q, k, v: jnp.sum(attention(q, k, v, causal=True, implementation="pallas") * w)  # noqa: E731
+  step = jax.jit(jax.value_and_grad(jax.checkpoint(loss), argnums=(0, 1, 2)))
+  names = sorted(helpers.triton_kernel_names(helpers.lower_for_gpu(step, q, k, v)))
+  assert names == ["attention_bwd_dkdv", "attention_bwd_dq", "attention_fwd", "attention_fwd_res"]
+
+
+# Tile sizes ------------------------------------------------------------------------------------
+
+
+def test_heuristic_table_covers_the_head_dims():
+  for d in (32, 40, 64, 80, 96, 128, 160, 256):
+    for dtype in (jnp.float32, jnp.bfloat16, jnp.float16):
+      sizes = fa.heuristic_block_sizes(d, dtype)
+      clipped = sizes.clipped(20, 5000)
+      assert clipped.block_q == 32 and clipped.block_k == sizes.block_k
+  with pytest.raises(ValueError, match="head dims up to 256"):
+    fa.heuristic_block_sizes(512, jnp.float32)
+  with pytest.raises(ValueError, match="block_k must be a power of 2"):
+    fa.BlockSizes(block_k=48)
+
+
+def test_autotune_picks_the_fastest_and_caches_it(tmp_path, monkeypatch, pallas_mode):
+  fa.clear_autotune_cache()
+  q, k, v, _ = inputs(1, 20, 20, 1, 1, 32)
+  slow, fast = fa.BlockSizes(32, 32, 32, 32, 32, 32), fa.BlockSizes(16, 16, 16, 16, 16, 16)
+  assert fa.block_sizes_for(q, k, causal=True) != fast
+  calls = []
+
+  def timer(fn):  # a fake clock: the candidate with 16-wide tiles "runs" faster
+    calls.append(fn)
+    fn()
+    return 1.0 if len(calls) <= 2 else 0.5
+
+  path = tmp_path / "tuning.json"
+  best = fa.autotune(q, k, v, causal=True, candidates=[slow, fast], runs=2, timer=timer,
+                     cache_path=str(path))
+  assert best == fast and len(calls) == 4
+  assert fa.block_sizes_for(q, k, causal=True) == fast
+  assert fa.block_sizes_for(q, k, causal=False) != fast     # another signature
+  fa.clear_autotune_cache()
+  assert fa.block_sizes_for(q, k, causal=True) != fast
+  monkeypatch.setenv("JAXFUSE_ATTENTION_TUNING", str(path))
+  assert fa.block_sizes_for(q, k, causal=True) == fast      # read back from the file
+  assert list(json.loads(path.read_text()).values()) == [fast.as_dict()]
+  fa.clear_autotune_cache()
+
+
+@pytest.mark.skipif(helpers.ON_GPU, reason="checks the CPU error")
+def test_kernels_need_a_gpu_or_interpret_mode():
+  x = jnp.ones((1, 8, 2, 16))
+  with pytest.raises(jaxfuse.ImplementationUnavailableError, match=r"Available here: \['xla'\]"):
+    attention(x, x, x, implementation="pallas")
+  assert jnp.array_equal(attention(x, x, x), attention(x, x, x, implementation="xla"))
