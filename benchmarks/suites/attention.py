@@ -43,17 +43,6 @@ def flops(t: int, causal: bool = True) -> float:
   return BATCH * HEADS * per_head * (0.5 if causal else 1.0)
 
 
-def _tokamax():
-  try:
-    import tokamax
-    from absl import flags
-  except Exception:  # noqa: BLE001 - any import failure means the peer is not available.
-    return None
-  if not flags.FLAGS.is_parsed():  # tokamax reads absl flags; ours are not absl's
-    flags.FLAGS.mark_as_parsed()
-  return tokamax
-
-
 def _torch_device():
   import torch
 
@@ -159,7 +148,7 @@ def _candidates(ctx: Context, t: int):
       out["jax-nn-cudnn"] = (
           lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                                        implementation="cudnn"), "cuDNN")
-  tokamax = _tokamax()
+  tokamax = harness.tokamax()
   if tokamax is not None:
     impls = ["xla", "xla_chunked"] + (["triton", "mosaic"] if ctx.platform == "gpu" else [])
     for impl in impls:
@@ -185,7 +174,7 @@ def _skipped_notes(t: int) -> list[tuple[str, str]]:
     gib = 4 * HEADS * t * t / 2**30
     for name in ("jax-unfused", "jax-nn", "tokamax-xla"):
       notes.append((name, f"skipped at T={t}: keeps [T, T] scores ({gib:.0f} GiB per copy)"))
-  if _tokamax() is None:
+  if harness.tokamax() is None:
     notes.append(("tokamax-xla", "skipped: tokamax is not installed (pip install "
                                   "'jaxfuse[compare]')"))
   return notes
