@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxfuse
+from benchmarks import harness
 from benchmarks.harness import Context, max_abs_err
 from benchmarks.records import Record, set_ratios
 from jaxfuse.metrics import bytes_moved, residual_bytes, torch_residual_bytes
