@@ -96,7 +96,7 @@ def _add_act_case(ctx, act: str, n: int, dtype, with_grad: bool) -> list[Record]
   a = jax.random.normal(ka, (n,), dtype)
   b = jax.random.normal(kb, (n,), dtype)
   g = jax.random.normal(kg, (n,), dtype)
-  ta, tb, tg = (torch.from_numpy(np.asarray(x.astype(jnp.float32))).to(
+  ta, tb, tg = (torch.from_numpy(np.array(x.astype(jnp.float32))).to(
       harness_torch_dtype(dtype)) for x in (a, b, g))
   reference = _torch_add_act(*(t.double() for t in (ta, tb, tg)), act, with_grad)
 
@@ -248,7 +248,7 @@ def _simple_nn_case(ctx, recompute, batch, sizes) -> list[Record]:
   kx, ky = jax.random.split(jax.random.key(1))
   x = jax.random.normal(kx, (batch, n_in))
   y = jax.random.normal(ky, (batch, n_out))
-  tx, ty = (torch.from_numpy(np.asarray(v)) for v in (x, y))
+  tx, ty = (torch.from_numpy(np.array(v)) for v in (x, y))
   lr = 1e-3
 
   torch.manual_seed(0)

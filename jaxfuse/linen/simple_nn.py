@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from jaxfuse.linen.linear import RecomputeLinear
+from jaxfuse.nnx import simple_nn as nnx_simple_nn
 from jaxfuse.nnx.simple_nn import check_recompute, simple_nn_block
 from jaxfuse.ops.elementwise import relu
 from jaxfuse.remat import recompute as recompute_fn
@@ -55,9 +56,4 @@ class SimpleNN(nn.Module):
     block = recompute_fn(simple_nn_block) if self.recompute == "block" else simple_nn_block
     return block(x, w1, b1, w2, b2)
 
-  TORCH_PARAMS = {
-      ("fc1", "weight"): ("fc1_weight", False),
-      ("fc1", "bias"): ("fc1_bias", False),
-      ("fc2", "kernel"): ("fc2.weight", True),
-      ("fc2", "bias"): ("fc2.bias", False),
-  }
+  TORCH_PARAMS = nnx_simple_nn.SimpleNN.TORCH_PARAMS
