@@ -25,7 +25,8 @@ XLA_CASES = [
     ((2, 77, 77, 4, 2, 64), True),
     ((1, 1000, 1000, 2, 1, 64), False),   # MQA, not a multiple of any tile
     ((1, 1000, 1000, 2, 1, 64), True),
-    ((1, 1024, 1024, 2, 2, 32), True),
+    ((1, 1024, 1024, 2, 2, 32), True),    # 512-wide XLA tiles
+    ((1, 700, 600, 2, 1, 64), True),      # 128-wide XLA tiles, q longer than kv
 ]
 
 
@@ -222,3 +223,13 @@ def test_errors_name_the_argument():
 def test_empty_sequences():
   q, k, v, _ = inputs(1, 5, 0, 2, 2, 16)
   assert jnp.array_equal(attention(q, k, v), jnp.zeros_like(q))
+
+
+def test_xla_tiles_grow_only_where_padding_stays_small():
+  from jaxfuse.ops.flash_attention import XLA_BLOCK, XLA_LONG_BLOCK, xla_block_size
+
+  assert xla_block_size(77, 77) == 77                       # one tile covers a short sequence
+  assert xla_block_size(1, 4096) == XLA_BLOCK               # decoding: no 512-row query tile
+  assert xla_block_size(2048, 2048) == XLA_LONG_BLOCK
+  assert xla_block_size(1000, 1000) == XLA_LONG_BLOCK       # 1024 either way
+  assert xla_block_size(700, 600) == XLA_BLOCK              # 512 would pad 600 to 1024
