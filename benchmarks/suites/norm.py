@@ -22,8 +22,8 @@ come from an interpret-mode run at a reduced row count (said in ``note``). Error
 torch eager in float64 on the same inputs (``torch-float64``); ``note`` says whether a row's
 errors are within twice torch eager's in the row's dtype (the tests' rule for low precision).
 
-When ``benchmarks/suites/norm_mlp.py`` exists, its records (softmax, bias + activation, GLU, the
-gated MLP) are appended, so that the whole family lands in one table.
+The records of ``benchmarks/suites/norm_mlp.py`` (softmax, bias + activation, GLU, the gated MLP)
+are appended, so that the whole family lands in one table.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ import numpy as np
 
 import jaxfuse
 from benchmarks import harness
+from benchmarks.suites import norm_mlp
 from benchmarks.records import Record
 from jaxfuse import ops
 from jaxfuse.metrics import bytes_moved, residual_bytes, torch_residual_bytes
@@ -371,8 +372,5 @@ def run(ctx) -> list[Record]:
   records: list[Record] = []
   for case in cases(ctx):
     records.extend(run_case(ctx, case, tokamax))
-  if importlib.util.find_spec("benchmarks.suites.norm_mlp") is not None:
-    from benchmarks.suites import norm_mlp
-
-    records.extend(norm_mlp.run(ctx))
+  records.extend(norm_mlp.run(ctx))
   return records
