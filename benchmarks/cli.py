@@ -32,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--readme", metavar="PATH",
                       help="replace the suite's table between its markers in this file")
   parser.add_argument("--runs", type=int, default=None, help="timed runs per candidate")
+  parser.add_argument("--system-env", action="store_true",
+                      help="run without the process settings of benchmarks/__main__.py")
   args = parser.parse_args(argv)
 
   suite = importlib.import_module(SUITES[args.suite])

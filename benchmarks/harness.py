@@ -81,6 +81,11 @@ class Context:
   def n_runs(self) -> int:
     return self.runs or (5 if self.quick else 7)
 
+  @property
+  def min_seconds(self) -> float:
+    """Timed rounds go on until this long (fast cases get more samples); 0 with ``--runs``."""
+    return 0.0 if self.runs else (3.0 if self.quick else 10.0)
+
   def native(self, implementation: str) -> bool:
     """Whether jaxfuse's ``implementation`` compiles here (so its time means something)."""
     return dispatch.runs_natively(implementation)
@@ -118,7 +123,7 @@ class Context:
     if not candidates:
       return {}
     timings = timing.interleaved(candidates, warmup=warmup, runs=self.n_runs,
-                                 sync=sync or _sync_any)
+                                 sync=sync or _sync_any, min_seconds=self.min_seconds)
     return {name: t.as_dict() for name, t in timings.items()}
 
   # Output ---------------------------------------------------------------------------------------

@@ -1,5 +1,7 @@
 """The measurement helpers measure what they claim."""
 
+import time
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -87,6 +89,16 @@ def test_timing_interleaves_and_counts_runs():
   calls.clear()
   metrics.interleaved(fns, warmup=0, runs=2, sync=lambda out: out, shuffle_seed=None)
   assert calls == ["a", "b", "c", "a", "b", "c"]
+
+
+def test_timing_adds_rounds_until_min_seconds():
+  fns = {"nap": lambda: time.sleep(0.01)}
+  timed = metrics.interleaved(fns, warmup=0, runs=2, sync=lambda out: out, min_seconds=0.1,
+                              max_runs=50)
+  assert 8 <= timed["nap"].runs < 50  # ~0.1 s of 10 ms naps, not the 2 asked for
+  capped = metrics.interleaved(fns, warmup=0, runs=2, sync=lambda out: out, min_seconds=10.0,
+                               max_runs=3)
+  assert capped["nap"].runs == 3
 
 
 def test_peak_bytes_is_none_or_positive():
