@@ -40,6 +40,34 @@ def to_numpy(x) -> np.ndarray:
   return np.asarray(jnp.asarray(x).astype(jnp.float32), dtype=np.float64)
 
 
+def random_pair(shape, dtype, seed=0):
+  """``(a, b, g)``: two inputs (``a`` scaled by 2, to reach the activations' tails) and a
+  cotangent, drawn from one seed."""
+  ka, kb, kg = jax.random.split(jax.random.key(seed), 3)
+  a = (2 * jax.random.normal(ka, shape)).astype(dtype)
+  b = jax.random.normal(kb, shape).astype(dtype)
+  g = jax.random.normal(kg, shape).astype(dtype)
+  return a, b, g
+
+
+def jax_value_and_grads(fn, args, g):
+  """``(fn(*args), *grads)`` with the gradients pulled back from cotangent ``g``, under jit."""
+  @jax.jit
+  def run(args, g):
+    out, vjp = jax.vjp(fn, *args)
+    return (out, *vjp(g))
+  return run(tuple(args), g)
+
+
+def torch_value_and_grads(fn, args, g, dtype=None):
+  """``(fn(*targs), *grads)`` in torch: ``args`` converted (to ``dtype`` if given), backward
+  from ``g``."""
+  targs = [to_torch(a, dtype, requires_grad=True) for a in args]
+  out = fn(*targs)
+  out.backward(to_torch(g, dtype))
+  return (out, *(t.grad for t in targs))
+
+
 def max_err(a, b) -> float:
   a, b = to_numpy(a), to_numpy(b)
   assert a.shape == b.shape, (a.shape, b.shape)

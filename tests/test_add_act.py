@@ -16,12 +16,7 @@ NAMED = sorted(activations.ACTIVATIONS)
 SHAPES = [(4096,), (5, 123, 123), (3, 7), ()]
 
 
-def _inputs(shape, dtype, seed=0):
-  ka, kb, kg = jax.random.split(jax.random.key(seed), 3)
-  a = (2 * jax.random.normal(ka, shape)).astype(dtype)
-  b = jax.random.normal(kb, shape).astype(dtype)
-  g = jax.random.normal(kg, shape).astype(dtype)
-  return a, b, g
+_inputs = helpers.random_pair
 
 
 def _jax_value_and_grads(op, a, b, g, fn, impl):
@@ -31,11 +26,7 @@ def _jax_value_and_grads(op, a, b, g, fn, impl):
 
 
 def _torch_value_and_grads(a, b, g, act, dtype=None, chain=ref.add_act_unfused):
-  ta = helpers.to_torch(a, dtype, requires_grad=True)
-  tb = helpers.to_torch(b, dtype, requires_grad=True)
-  out = chain(ta, tb, act)
-  out.backward(helpers.to_torch(g, dtype))
-  return out, ta.grad, tb.grad
+  return helpers.torch_value_and_grads(lambda a, b: chain(a, b, act), (a, b), g, dtype)
 
 
 @pytest.mark.parametrize("impl", helpers.CPU_IMPLEMENTATIONS)

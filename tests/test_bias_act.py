@@ -26,19 +26,12 @@ def _inputs(shape, dtype, seed=0):
 
 
 def _jax(x, bias, g, act, impl):
-  @jax.jit
-  def run(x, bias, g):
-    y, vjp = jax.vjp(lambda x, b: bias_act(x, b, act, implementation=impl), x, bias)
-    return (y, *vjp(g))
-  return run(x, bias, g)
+  return helpers.jax_value_and_grads(lambda x, b: bias_act(x, b, act, implementation=impl),
+                                     (x, bias), g)
 
 
 def _torch(x, bias, g, act, dtype=None):
-  tx = helpers.to_torch(x, dtype, requires_grad=True)
-  tb = helpers.to_torch(bias, dtype, requires_grad=True)
-  y = ref.bias_act(tx, tb, act)
-  y.backward(helpers.to_torch(g, dtype))
-  return y, tx.grad, tb.grad
+  return helpers.torch_value_and_grads(lambda x, b: ref.bias_act(x, b, act), (x, bias), g, dtype)
 
 
 @pytest.mark.parametrize("impl", helpers.CPU_IMPLEMENTATIONS)

@@ -16,20 +16,11 @@ ACTS = ["silu", "gelu", "gelu_tanh", "relu"]
 SIZES = [64, 768, 1000, 4097, 8192]
 
 
-def _inputs(shape, dtype, seed=0):
-  ka, kb, kg = jax.random.split(jax.random.key(seed), 3)
-  a = (2 * jax.random.normal(ka, shape)).astype(dtype)
-  b = jax.random.normal(kb, shape).astype(dtype)
-  g = jax.random.normal(kg, shape).astype(dtype)
-  return a, b, g
+_inputs = helpers.random_pair
 
 
 def _jax(a, b, g, act, impl):
-  @jax.jit
-  def run(a, b, g):
-    y, vjp = jax.vjp(lambda a, b: glu(a, b, act, implementation=impl), a, b)
-    return (y, *vjp(g))
-  return run(a, b, g)
+  return helpers.jax_value_and_grads(lambda a, b: glu(a, b, act, implementation=impl), (a, b), g)
 
 
 def _jax_packed(x, g, act, impl):
@@ -41,11 +32,7 @@ def _jax_packed(x, g, act, impl):
 
 
 def _torch(a, b, g, act, dtype=None):
-  ta = helpers.to_torch(a, dtype, requires_grad=True)
-  tb = helpers.to_torch(b, dtype, requires_grad=True)
-  y = ref.glu(ta, tb, act)
-  y.backward(helpers.to_torch(g, dtype))
-  return y, ta.grad, tb.grad
+  return helpers.torch_value_and_grads(lambda a, b: ref.glu(a, b, act), (a, b), g, dtype)
 
 
 @pytest.mark.parametrize("impl", helpers.CPU_IMPLEMENTATIONS)

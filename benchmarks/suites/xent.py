@@ -82,9 +82,9 @@ def _flat(out):
 def _torch_setup(h, w, y, device):
   import torch
 
-  th = torch.from_numpy(np.asarray(h)).to(device)
-  tw = torch.from_numpy(np.asarray(w)).to(device)
-  ty = torch.from_numpy(np.asarray(y)).long().to(device)
+  th = torch.from_numpy(np.array(h)).to(device)
+  tw = torch.from_numpy(np.array(w)).to(device)
+  ty = torch.from_numpy(np.array(y)).long().to(device)
   return th, tw, ty
 
 

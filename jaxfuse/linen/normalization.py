@@ -39,6 +39,17 @@ def _inputs(x, params, dtype):
   return jnp.asarray(x, compute), out_dtype
 
 
+def _checked_scale(module, x, mask):
+  """Rejects the options jaxfuse does not take; creates the module's scale (None if unused).
+  The field declarations stay in each class: they are flax's, in flax's order (drop-in)."""
+  ops.check_module_options(type(module).__name__, jnp.ndim(x),
+                           reduction_axes=module.reduction_axes,
+                           feature_axes=module.feature_axes, axis_name=module.axis_name, mask=mask)
+  if not module.use_scale:
+    return None
+  return module.param("scale", module.scale_init, (jnp.shape(x)[-1],), module.param_dtype)
+
+
 class LayerNorm(nn.Module):
   """Layer normalization over the last axis (as ``flax.linen.LayerNorm``).
 
@@ -63,13 +74,9 @@ class LayerNorm(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array, *, mask: jax.Array | None = None) -> jax.Array:
-    ops.check_module_options(type(self).__name__, jnp.ndim(x),
-                             reduction_axes=self.reduction_axes, feature_axes=self.feature_axes,
-                             axis_name=self.axis_name, mask=mask)
-    features = (jnp.shape(x)[-1],)
-    scale = (self.param("scale", self.scale_init, features, self.param_dtype)
-             if self.use_scale else None)
-    bias = self.param("bias", self.bias_init, features, self.param_dtype) if self.use_bias else None
+    scale = _checked_scale(self, x, mask)
+    bias = (self.param("bias", self.bias_init, (jnp.shape(x)[-1],), self.param_dtype)
+            if self.use_bias else None)
     x, out_dtype = _inputs(x, (scale, bias), self.dtype)
     y = ops.layer_norm(x, scale, bias, eps=self.epsilon, implementation=self.implementation)
     return y.astype(out_dtype)
@@ -97,12 +104,7 @@ class RMSNorm(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array, *, mask: jax.Array | None = None) -> jax.Array:
-    ops.check_module_options(type(self).__name__, jnp.ndim(x),
-                             reduction_axes=self.reduction_axes, feature_axes=self.feature_axes,
-                             axis_name=self.axis_name, mask=mask)
-    features = (jnp.shape(x)[-1],)
-    scale = (self.param("scale", self.scale_init, features, self.param_dtype)
-             if self.use_scale else None)
+    scale = _checked_scale(self, x, mask)
     x, out_dtype = _inputs(x, (scale,), self.dtype)
     y = ops.rms_norm(x, scale, eps=self.epsilon, implementation=self.implementation)
     return y.astype(out_dtype)

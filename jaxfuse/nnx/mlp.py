@@ -32,6 +32,18 @@ def _values(*params):
   return [None if p is None else p[...] for p in params]
 
 
+def _keep_settings(module, activation, dtype, precision, recompute, implementation):
+  """Checks ``recompute`` and stores the settings both blocks pass to :mod:`jaxfuse.remat.mlp`."""
+  if recompute not in blocks.RECOMPUTE:
+    raise ValueError(f"{type(module).__name__}: recompute must be one of {blocks.RECOMPUTE}, "
+                     f"got {recompute!r}")
+  module.activation = activation
+  module.dtype = dtype
+  module.precision = precision
+  module.recompute = recompute
+  module.implementation = implementation
+
+
 class GatedMLP(nnx.Module):
   """``down_proj(act(gate_proj(x)) * up_proj(x))`` with the gated unit fused (:func:`glu`).
 
@@ -66,20 +78,13 @@ class GatedMLP(nnx.Module):
                kernel_init=_DEFAULT_KERNEL_INIT, bias_init=_ZEROS,
                recompute: str | None = "activation", implementation: str | None = None,
                rngs: nnx.Rngs):
-    if recompute not in blocks.RECOMPUTE:
-      raise ValueError(f"GatedMLP: recompute must be one of {blocks.RECOMPUTE}, got "
-                       f"{recompute!r}")
+    _keep_settings(self, activation, dtype, precision, recompute, implementation)
     out_features = in_features if out_features is None else out_features
     linear = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, precision=precision,
                   kernel_init=kernel_init, bias_init=bias_init, rngs=rngs)
     self.gate_proj = nnx.Linear(in_features, hidden_features, **linear)
     self.up_proj = nnx.Linear(in_features, hidden_features, **linear)
     self.down_proj = nnx.Linear(hidden_features, out_features, **linear)
-    self.activation = activation
-    self.dtype = dtype
-    self.precision = precision
-    self.recompute = recompute
-    self.implementation = implementation
 
   def __call__(self, x: jax.Array) -> jax.Array:
     arrays = [x, *_values(self.gate_proj.kernel, self.up_proj.kernel, self.down_proj.kernel,
@@ -120,18 +125,12 @@ class MLP(nnx.Module):
                kernel_init=_DEFAULT_KERNEL_INIT, bias_init=_ZEROS,
                recompute: str | None = "activation", implementation: str | None = None,
                rngs: nnx.Rngs):
-    if recompute not in blocks.RECOMPUTE:
-      raise ValueError(f"MLP: recompute must be one of {blocks.RECOMPUTE}, got {recompute!r}")
+    _keep_settings(self, activation, dtype, precision, recompute, implementation)
     out_features = in_features if out_features is None else out_features
     linear = dict(dtype=dtype, param_dtype=param_dtype, precision=precision,
                   kernel_init=kernel_init, bias_init=bias_init, rngs=rngs)
     self.up_proj = nnx.Linear(in_features, hidden_features, use_bias=True, **linear)
     self.down_proj = nnx.Linear(hidden_features, out_features, use_bias=use_bias, **linear)
-    self.activation = activation
-    self.dtype = dtype
-    self.precision = precision
-    self.recompute = recompute
-    self.implementation = implementation
 
   def __call__(self, x: jax.Array) -> jax.Array:
     arrays = [x, *_values(self.up_proj.kernel, self.up_proj.bias, self.down_proj.kernel,

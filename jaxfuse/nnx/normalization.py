@@ -12,8 +12,8 @@ Example:
   >>> from flax import nnx
   >>> from jaxfuse.nnx import RMSNorm
   >>> norm = RMSNorm(4, rngs=nnx.Rngs(0))
-  >>> norm(jnp.array([[1.0, -1.0, 1.0, -1.0]]))
-  Array([[ 0.9999996, -0.9999996,  0.9999996, -0.9999996]], dtype=float32)
+  >>> norm(jnp.array([[2.0, -2.0, 2.0, -2.0]])).round(4)  # x / sqrt(mean(x**2) + eps)
+  Array([[ 1., -1.,  1., -1.]], dtype=float32)
 """
 
 from __future__ import annotations
@@ -29,7 +29,34 @@ from flax.nnx.nn import dtypes, initializers
 from jaxfuse.ops import normalization as ops
 
 
-class LayerNorm(nnx.Module):
+class _LastAxisNorm(nnx.Module):
+  """What LayerNorm and RMSNorm share: flax's attributes, the scale, the option checks."""
+
+  def _setup(self, num_features, epsilon, dtype, param_dtype, use_scale, scale_init,
+             scale_metadata, reduction_axes, feature_axes, axis_name, axis_index_groups,
+             use_fast_variance, promote_dtype, rngs, implementation):
+    self.scale = (nnx.Param(scale_init(rngs.params(), (num_features,), param_dtype),
+                            **scale_metadata) if use_scale else nnx.data(None))
+    self.num_features = num_features
+    self.epsilon = epsilon
+    self.dtype = dtype
+    self.param_dtype = param_dtype
+    self.use_scale = use_scale
+    self.reduction_axes = reduction_axes
+    self.feature_axes = feature_axes
+    self.axis_name = axis_name
+    self.axis_index_groups = axis_index_groups
+    self.use_fast_variance = use_fast_variance
+    self.promote_dtype = promote_dtype
+    self.implementation = implementation
+
+  def _check(self, x, mask):
+    ops.check_module_options(type(self).__name__, jnp.ndim(x),
+                             reduction_axes=self.reduction_axes, feature_axes=self.feature_axes,
+                             axis_name=self.axis_name, mask=mask)
+
+
+class LayerNorm(_LastAxisNorm):
   """Layer normalization over the last axis (as ``flax.nnx.LayerNorm``).
 
   Args:
@@ -55,36 +82,23 @@ class LayerNorm(nnx.Module):
                bias_metadata: tp.Mapping[str, tp.Any] = MappingProxyType({}),
                scale_metadata: tp.Mapping[str, tp.Any] = MappingProxyType({}),
                implementation: str | None = None):
-    shape = (num_features,)
-    self.scale = (nnx.Param(scale_init(rngs.params(), shape, param_dtype), **scale_metadata)
-                  if use_scale else nnx.data(None))
-    self.bias = (nnx.Param(bias_init(rngs.params(), shape, param_dtype), **bias_metadata)
-                 if use_bias else nnx.data(None))
-    self.num_features = num_features
-    self.epsilon = epsilon
-    self.dtype = dtype
-    self.param_dtype = param_dtype
+    self._setup(num_features, epsilon, dtype, param_dtype, use_scale, scale_init, scale_metadata,
+                reduction_axes, feature_axes, axis_name, axis_index_groups, use_fast_variance,
+                promote_dtype, rngs, implementation)
+    # After the scale, as flax draws them.
+    self.bias = (nnx.Param(bias_init(rngs.params(), (num_features,), param_dtype),
+                           **bias_metadata) if use_bias else nnx.data(None))
     self.use_bias = use_bias
-    self.use_scale = use_scale
-    self.reduction_axes = reduction_axes
-    self.feature_axes = feature_axes
-    self.axis_name = axis_name
-    self.axis_index_groups = axis_index_groups
-    self.use_fast_variance = use_fast_variance
-    self.promote_dtype = promote_dtype
-    self.implementation = implementation
 
   def __call__(self, x: jax.Array, *, mask: jax.Array | None = None) -> jax.Array:
-    ops.check_module_options(type(self).__name__, jnp.ndim(x),
-                             reduction_axes=self.reduction_axes, feature_axes=self.feature_axes,
-                             axis_name=self.axis_name, mask=mask)
+    self._check(x, mask)
     scale = self.scale[...] if self.scale is not None else None
     bias = self.bias[...] if self.bias is not None else None
     x, scale, bias = self.promote_dtype((x, scale, bias), dtype=self.dtype)
     return ops.layer_norm(x, scale, bias, eps=self.epsilon, implementation=self.implementation)
 
 
-class RMSNorm(nnx.Module):
+class RMSNorm(_LastAxisNorm):
   """RMS normalization over the last axis (as ``flax.nnx.RMSNorm``).
 
   Args:
@@ -110,26 +124,12 @@ class RMSNorm(nnx.Module):
                rngs: nnx.Rngs,
                scale_metadata: tp.Mapping[str, tp.Any] = MappingProxyType({}),
                implementation: str | None = None):
-    shape = (num_features,)
-    self.scale = (nnx.Param(scale_init(rngs.params(), shape, param_dtype), **scale_metadata)
-                  if use_scale else nnx.data(None))
-    self.num_features = num_features
-    self.epsilon = epsilon
-    self.dtype = dtype
-    self.param_dtype = param_dtype
-    self.use_scale = use_scale
-    self.reduction_axes = reduction_axes
-    self.feature_axes = feature_axes
-    self.axis_name = axis_name
-    self.axis_index_groups = axis_index_groups
-    self.use_fast_variance = use_fast_variance
-    self.promote_dtype = promote_dtype
-    self.implementation = implementation
+    self._setup(num_features, epsilon, dtype, param_dtype, use_scale, scale_init, scale_metadata,
+                reduction_axes, feature_axes, axis_name, axis_index_groups, use_fast_variance,
+                promote_dtype, rngs, implementation)
 
   def __call__(self, x: jax.Array, mask: jax.Array | None = None) -> jax.Array:
-    ops.check_module_options(type(self).__name__, jnp.ndim(x),
-                             reduction_axes=self.reduction_axes, feature_axes=self.feature_axes,
-                             axis_name=self.axis_name, mask=mask)
+    self._check(x, mask)
     scale = self.scale[...] if self.scale is not None else None
     x, scale = self.promote_dtype((x, scale), dtype=self.dtype)
     return ops.rms_norm(x, scale, eps=self.epsilon, implementation=self.implementation)
