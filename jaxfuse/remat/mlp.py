@@ -19,23 +19,14 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxfuse.ops import bias_act, glu
+from jaxfuse.ops import bias_act, dense, glu
 from jaxfuse.remat.recompute import recompute as _recompute
 
 RECOMPUTE = ("activation", "block", None)
 # Names of the values the "activation" choice keeps.
 GATE, UP, PRE_ACTIVATION = "jaxfuse_mlp_gate", "jaxfuse_mlp_up", "jaxfuse_mlp_pre_activation"
-
-
-def _dense(x, kernel, bias, precision):
-  """``x @ kernel + bias``, accumulated in float32 and rounded once to ``x.dtype``."""
-  y = jnp.matmul(x, kernel, precision=precision, preferred_element_type=jnp.float32)
-  if bias is not None:
-    y = y + bias.astype(jnp.float32)
-  return y.astype(x.dtype)
 
 
 def _wrap(block: Callable, recompute: str | None, names: list[str]) -> Callable:
@@ -73,10 +64,10 @@ def gated_mlp(x: jax.Array, gate_kernel: jax.Array, up_kernel: jax.Array,
   """
 
   def block(x, gate_kernel, up_kernel, down_kernel, gate_bias, up_bias, down_bias):
-    gate = checkpoint_name(_dense(x, gate_kernel, gate_bias, precision), GATE)
-    up = checkpoint_name(_dense(x, up_kernel, up_bias, precision), UP)
+    gate = checkpoint_name(dense(x, gate_kernel, gate_bias, precision=precision), GATE)
+    up = checkpoint_name(dense(x, up_kernel, up_bias, precision=precision), UP)
     hidden = glu(gate, up, activation, implementation=implementation)
-    return _dense(hidden, down_kernel, down_bias, precision)
+    return dense(hidden, down_kernel, down_bias, precision=precision)
 
   return _wrap(block, recompute, [GATE, UP])(x, gate_kernel, up_kernel, down_kernel, gate_bias,
                                              up_bias, down_bias)
@@ -107,8 +98,8 @@ def mlp(x: jax.Array, up_kernel: jax.Array, up_bias: jax.Array, down_kernel: jax
   """
 
   def block(x, up_kernel, up_bias, down_kernel, down_bias):
-    pre = checkpoint_name(_dense(x, up_kernel, None, precision), PRE_ACTIVATION)
+    pre = checkpoint_name(dense(x, up_kernel, None, precision=precision), PRE_ACTIVATION)
     hidden = bias_act(pre, up_bias, activation, implementation=implementation)
-    return _dense(hidden, down_kernel, down_bias, precision)
+    return dense(hidden, down_kernel, down_bias, precision=precision)
 
   return _wrap(block, recompute, [PRE_ACTIVATION])(x, up_kernel, up_bias, down_kernel, down_bias)

@@ -1,0 +1,91 @@
+"""dense (Flax's x @ kernel + bias) against torch's F.linear: forward and all gradients, the
+weight-gradient product in both of its layouts, and no extra matmul in the MLP blocks."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from jaxfuse.ops import dense
+from jaxfuse.ops import linear as linear_ops
+from jaxfuse.remat import mlp as blocks
+from tests import helpers
+
+SHAPES = [((64, 32), 48), ((5, 37, 123), 77), ((1, 3), 1)]
+
+
+def _inputs(x_shape, out, dtype, seed=0):
+  kx, kk, kb, kg = jax.random.split(jax.random.key(seed), 4)
+  x = jax.random.normal(kx, x_shape).astype(dtype)
+  kernel = (jax.random.normal(kk, (x_shape[-1], out)) / x_shape[-1] ** 0.5).astype(dtype)
+  bias = jax.random.normal(kb, (out,)).astype(dtype)
+  g = jax.random.normal(kg, (*x_shape[:-1], out)).astype(dtype)
+  return x, kernel, bias, g
+
+
+def _torch_dense(x, kernel, bias):
+  return torch.nn.functional.linear(x, kernel.T, bias)
+
+
+@pytest.mark.parametrize("x_shape,out", SHAPES, ids=str)
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_fp32_matches_torch_linear(x_shape, out, with_bias):
+  x, kernel, bias, g = _inputs(x_shape, out, jnp.float32)
+  if not with_bias:
+    got = helpers.jax_value_and_grads(
+        lambda x, k: dense(x, k, precision=jax.lax.Precision.HIGHEST), (x, kernel), g)
+    want = helpers.torch_value_and_grads(lambda x, k: _torch_dense(x, k, None), (x, kernel), g)
+  else:
+    got = helpers.jax_value_and_grads(
+        lambda x, k, b: dense(x, k, b, precision=jax.lax.Precision.HIGHEST), (x, kernel, bias), g)
+    want = helpers.torch_value_and_grads(_torch_dense, (x, kernel, bias), g)
+  for a, b, what in zip(got, want, ("out", "grad x", "grad kernel", "grad bias")):
+    # Sums over up to 185 rows or 123 features, in another order than torch's.
+    helpers.assert_close(a, b, atol=1e-4, what=what)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=str)
+def test_low_precision_within_twice_torch_error(dtype):
+  x, kernel, bias, g = _inputs((33, 100), 70, dtype, seed=3)
+  got = helpers.jax_value_and_grads(dense, (x, kernel, bias), g)
+  exact = helpers.torch_value_and_grads(_torch_dense, (x, kernel, bias), g, torch.float64)
+  low = helpers.torch_value_and_grads(_torch_dense, (x, kernel, bias), g)
+  for a, e, t, what in zip(got, exact, low, ("out", "grad x", "grad kernel", "grad bias")):
+    assert a.dtype == dtype, what
+    helpers.assert_within_torch_error(a, e, t, floor=1e-6, what=what)
+
+
+@pytest.mark.parametrize("min_macs", [0, 1 << 62], ids=["transposed copy", "as is"])
+def test_rows_product_in_both_layouts(monkeypatch, min_macs):
+  """a^T @ b is the same whether it goes through a's transposed copy or not."""
+  monkeypatch.setattr(linear_ops, "_TRANSPOSE_MIN_MACS", min_macs)
+  a = jax.random.normal(jax.random.key(1), (300, 70))
+  b = jax.random.normal(jax.random.key(2), (300, 50))
+  got = jax.jit(lambda a, b: linear_ops._rows_product(a, b, jnp.float32,
+                                                      jax.lax.Precision.HIGHEST))(a, b)
+  want = np.asarray(a, np.float64).T @ np.asarray(b, np.float64)
+  helpers.assert_close(got, want, atol=1e-4)
+
+
+def test_bad_inputs_are_named():
+  x, kernel, bias, _ = _inputs((4, 8), 6, jnp.float32)
+  with pytest.raises(ValueError, match=r"dense: .*kernel is \[in, out\]"):
+    dense(x, kernel.T)
+  with pytest.raises(ValueError, match=r"dense: .*bias is \[out\]"):
+    dense(x, kernel, jnp.zeros(5))
+  with pytest.raises(TypeError, match="dense"):
+    dense(x, kernel.astype(jnp.bfloat16))
+
+
+def test_gated_mlp_step_has_nine_matmuls():
+  """3 in the forward, 2 per projection in the backward: the custom gradient adds none, and
+  the recomputation under recompute="activation" is the fused activation, not a matmul."""
+  x = jnp.ones((64, 32))
+  wg, wu, wd = jnp.ones((32, 96)), jnp.ones((32, 96)), jnp.ones((96, 32))
+  step = jax.jit(jax.value_and_grad(lambda *a: jnp.sum(blocks.gated_mlp(*a)),
+                                    argnums=(0, 1, 2, 3)))
+  hlo = step.lower(x, wg, wu, wd).compile().as_text()
+  assert len(re.findall(r" dot\(", hlo)) == 9
