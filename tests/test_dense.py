@@ -62,8 +62,8 @@ def test_low_precision_within_twice_torch_error(dtype):
 def test_rows_product_in_both_layouts(monkeypatch, min_macs):
   """a^T @ b is the same whether it goes through a's transposed copy or not."""
   monkeypatch.setattr(linear_ops, "_TRANSPOSE_MIN_MACS", min_macs)
-  a = jax.random.normal(jax.random.key(1), (300, 70))
-  b = jax.random.normal(jax.random.key(2), (300, 50))
+  a = jax.random.normal(jax.random.key(1), (300, 50))  # narrower than b: the copy applies
+  b = jax.random.normal(jax.random.key(2), (300, 70))
   got = jax.jit(lambda a, b: linear_ops._rows_product(a, b, jnp.float32,
                                                       jax.lax.Precision.HIGHEST))(a, b)
   want = np.asarray(a, np.float64).T @ np.asarray(b, np.float64)
