@@ -20,9 +20,7 @@ _inputs = helpers.random_pair
 
 
 def _jax_value_and_grads(op, a, b, g, fn, impl):
-  out, vjp = jax.vjp(lambda a, b: op(a, b, fn, implementation=impl), a, b)
-  da, db = vjp(g)
-  return out, da, db
+  return helpers.jax_value_and_grads(lambda a, b: op(a, b, fn, implementation=impl), (a, b), g)
 
 
 def _torch_value_and_grads(a, b, g, act, dtype=None, chain=ref.add_act_unfused):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from jaxfuse.ops import dense
+from jaxfuse.ops import dense, dense_reference
 from jaxfuse.ops import linear as linear_ops
 from jaxfuse.remat import mlp as blocks
 from tests import helpers
@@ -70,14 +70,35 @@ def test_rows_product_in_both_layouts(monkeypatch, min_macs):
   helpers.assert_close(got, want, atol=1e-4)
 
 
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_gradients_are_autodiffs_of_the_reference(with_bias):
+  """The custom backward computes what autodiff of the plain-jnp reference does."""
+  x, kernel, bias, g = _inputs((3, 50, 40), 90, jnp.float32, seed=4)
+  b = bias if with_bias else None
+  got = helpers.jax_value_and_grads(lambda x, k: dense(x, k, b), (x, kernel), g)
+  want = helpers.jax_value_and_grads(lambda x, k: dense_reference(x, k, b), (x, kernel), g)
+  for a, w, what in zip(got, want, ("out", "grad x", "grad kernel")):
+    helpers.assert_close(a, w, atol=1e-4, what=what)
+
+
 def test_bad_inputs_are_named():
   x, kernel, bias, _ = _inputs((4, 8), 6, jnp.float32)
   with pytest.raises(ValueError, match=r"dense: .*kernel is \[in, out\]"):
     dense(x, kernel.T)
+  with pytest.raises(ValueError, match=r"dense: kernel"):
+    dense(x, kernel[None])
   with pytest.raises(ValueError, match=r"dense: .*bias is \[out\]"):
     dense(x, kernel, jnp.zeros(5))
-  with pytest.raises(TypeError, match="dense"):
+  with pytest.raises(ValueError, match=r"dense: bias"):
+    dense(x, kernel, jnp.zeros((1, 6)))
+  with pytest.raises(TypeError, match="dense: x, kernel must share one dtype"):
     dense(x, kernel.astype(jnp.bfloat16))
+  with pytest.raises(TypeError, match="dense: x"):
+    dense(x.astype(jnp.int32), kernel)
+  with pytest.raises(ValueError, match="dense: implementation='pallas' is not provided"):
+    dense(x, kernel, implementation="pallas")
+  with pytest.raises(ValueError, match="dense: implementation must be"):
+    dense(x, kernel, implementation="cuda")
 
 
 def test_gated_mlp_step_has_nine_matmuls():

@@ -9,7 +9,7 @@ from jaxfuse.ops.dispatch import (IMPLEMENTATIONS, ImplementationUnavailableErro
 from jaxfuse.ops.elementwise import add_act, add_act_reference, add_act_unfused, relu
 from jaxfuse.ops.flash_attention import attention, attention_reference, dot_product_attention
 from jaxfuse.ops.gated_linear import glu, glu_reference
-from jaxfuse.ops.linear import dense, linear_reference, recompute_linear
+from jaxfuse.ops.linear import dense, dense_reference, linear_reference, recompute_linear
 from jaxfuse.ops.normalization import (add_layer_norm, add_layer_norm_reference, add_rms_norm,
                                        add_rms_norm_reference, add_rms_norm_unfused, layer_norm,
                                        layer_norm_reference, rms_norm, rms_norm_reference)
@@ -34,6 +34,7 @@ __all__ = [
     "bias_act_reference",
     "can_run",
     "dense",
+    "dense_reference",
     "dot_product_attention",
     "glu",
     "glu_reference",

@@ -48,6 +48,26 @@ def linear_reference(x: jax.Array, weight: jax.Array, bias: jax.Array | None = N
   return y.astype(x.dtype)
 
 
+def _check(op, x, weight, bias, *, name="weight", in_axis=1):
+  """Validates a linear layer's arguments; ``weight`` is ``[out, in]`` (``in_axis=1``, torch)
+  or ``[in, out]`` (``in_axis=0``, Flax's kernel)."""
+  layout = f"{name} is {'[out, in]' if in_axis == 1 else '[in, out]'}"
+  checks.floating(op, "x", x)
+  checks.floating(op, name, weight)
+  checks.rank(op, name, weight, 2)
+  if x.ndim < 1:
+    raise ValueError(f"{op}: x must have rank >= 1, got shape {tuple(x.shape)}")
+  checks.dim(op, "x", x, -1, weight.shape[in_axis], f"{layout}: x's last axis is `in`")
+  names, arrays = ["x", name], [x, weight]
+  if bias is not None:
+    checks.floating(op, "bias", bias)
+    checks.rank(op, "bias", bias, 1)
+    checks.dim(op, "bias", bias, 0, weight.shape[1 - in_axis], f"{layout}: bias is [out]")
+    names.append("bias")
+    arrays.append(bias)
+  checks.same_dtype(op, names, arrays)
+
+
 # Below this many multiply-adds the transposed copy of _rows_product costs more than it saves.
 _TRANSPOSE_MIN_MACS = 1 << 28
 
@@ -75,7 +95,7 @@ def _rows_product(a, b, out_dtype, precision):
 
 
 def dense(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
-          precision=None) -> jax.Array:
+          precision=None, implementation: str | None = None) -> jax.Array:
   """``x @ kernel + bias`` (Flax's ``Dense`` layout, kernel ``[in, out]``), float32-accumulated.
 
   The backward keeps what autodiff keeps (``x`` and ``kernel``) and computes the same gradients;
@@ -86,6 +106,7 @@ def dense(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
     kernel: ``[in, out]``, x's dtype.
     bias: ``[out]`` or None.
     precision: the products' precision (``None``: the default; HIGHEST avoids TF32 on GPUs).
+    implementation: ``None`` or ``"xla"`` (the only one: the products are XLA's).
 
   Returns:
     ``[..., out]`` in x's dtype, rounded once from float32.
@@ -101,21 +122,17 @@ def dense(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
     (3, 4)
   """
   op = "dense"
-  checks.floating(op, "x", x)
-  checks.rank(op, "kernel", kernel, 2)
-  if x.ndim < 1:
-    raise ValueError(f"{op}: x must have rank >= 1, got shape {tuple(x.shape)}")
-  checks.dim(op, "x", x, -1, kernel.shape[0], "kernel is [in, out]: x's last axis is `in`")
-  names, arrays = ["x", "kernel"], [x, kernel]
-  if bias is not None:
-    checks.dim(op, "bias", bias, -1, kernel.shape[1], "kernel is [in, out]: bias is [out]")
-    names.append("bias")
-    arrays.append(bias)
-  checks.same_dtype(op, names, arrays)
-  return _dense(x, kernel, bias, precision)
+  _check(op, x, kernel, bias, name="kernel", in_axis=0)
+  # One implementation: the products are XLA's (cuBLAS on GPUs), as for recompute_linear.
+  dispatch.resolve(op, implementation, ("xla",))
+  with jax.named_scope("jaxfuse.dense"):
+    return _dense(x, kernel, bias, precision)
 
 
-def _dense_forward(x, kernel, bias, precision):
+def dense_reference(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
+                    precision=None) -> jax.Array:
+  """Plain-jnp ``x @ kernel + bias`` (kernel ``[in, out]``), accumulated in float32; its
+  autodiff gradients are what :func:`dense` computes."""
   y = jnp.matmul(x, kernel, precision=precision, preferred_element_type=jnp.float32)
   if bias is not None:
     y = y + bias.astype(jnp.float32)
@@ -124,11 +141,12 @@ def _dense_forward(x, kernel, bias, precision):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _dense(x, kernel, bias, precision):
-  return _dense_forward(x, kernel, bias, precision)
+  return dense_reference(x, kernel, bias, precision=precision)
 
 
 def _dense_fwd(x, kernel, bias, precision):
-  return _dense_forward(x, kernel, bias, precision), (x, kernel, bias)
+  # Residuals: what autodiff keeps for a matmul, the two operands (and the bias, for its dtype).
+  return dense_reference(x, kernel, bias, precision=precision), (x, kernel, bias)
 
 
 def _dense_bwd(precision, residuals, g):
@@ -141,23 +159,6 @@ def _dense_bwd(precision, residuals, g):
 
 
 _dense.defvjp(_dense_fwd, _dense_bwd, optimize_remat=True)
-
-
-def _check(op, x, weight, bias):
-  checks.floating(op, "x", x)
-  checks.floating(op, "weight", weight)
-  checks.rank(op, "weight", weight, 2)
-  if x.ndim < 1:
-    raise ValueError(f"{op}: x must have rank >= 1, got shape {tuple(x.shape)}")
-  checks.dim(op, "x", x, -1, weight.shape[1], "weight is [out, in]: x's last axis is `in`")
-  names, arrays = ["x", "weight"], [x, weight]
-  if bias is not None:
-    checks.floating(op, "bias", bias)
-    checks.rank(op, "bias", bias, 1)
-    checks.dim(op, "bias", bias, 0, weight.shape[0], "weight is [out, in]: bias is [out]")
-    names.append("bias")
-    arrays.append(bias)
-  checks.same_dtype(op, names, arrays)
 
 
 def recompute_linear(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None, *,
