@@ -43,8 +43,7 @@ def test_fp32_matches_torch_linear(x_shape, out, with_bias):
         lambda x, k, b: dense(x, k, b, precision=jax.lax.Precision.HIGHEST), (x, kernel, bias), g)
     want = helpers.torch_value_and_grads(_torch_dense, (x, kernel, bias), g)
   for a, b, what in zip(got, want, ("out", "grad x", "grad kernel", "grad bias")):
-    # Sums over up to 185 rows or 123 features, in another order than torch's.
-    helpers.assert_close(a, b, atol=1e-4, what=what)
+    helpers.assert_close(a, b, what=what)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=str)
@@ -55,7 +54,7 @@ def test_low_precision_within_twice_torch_error(dtype):
   low = helpers.torch_value_and_grads(_torch_dense, (x, kernel, bias), g)
   for a, e, t, what in zip(got, exact, low, ("out", "grad x", "grad kernel", "grad bias")):
     assert a.dtype == dtype, what
-    helpers.assert_within_torch_error(a, e, t, floor=1e-6, what=what)
+    helpers.assert_within_low_precision_error(a, e, t, floor=1e-6, what=what)
 
 
 @pytest.mark.parametrize("min_macs", [0, 1 << 62], ids=["transposed copy", "as is"])
@@ -67,7 +66,7 @@ def test_rows_product_in_both_layouts(monkeypatch, min_macs):
   got = jax.jit(lambda a, b: linear_ops._rows_product(a, b, jnp.float32,
                                                       jax.lax.Precision.HIGHEST))(a, b)
   want = np.asarray(a, np.float64).T @ np.asarray(b, np.float64)
-  helpers.assert_close(got, want, atol=1e-4)
+  helpers.assert_close(got, want)
 
 
 @pytest.mark.parametrize("with_bias", [True, False])
@@ -78,7 +77,7 @@ def test_gradients_are_autodiffs_of_the_reference(with_bias):
   got = helpers.jax_value_and_grads(lambda x, k: dense(x, k, b), (x, kernel), g)
   want = helpers.jax_value_and_grads(lambda x, k: dense_reference(x, k, b), (x, kernel), g)
   for a, w, what in zip(got, want, ("out", "grad x", "grad kernel")):
-    helpers.assert_close(a, w, atol=1e-4, what=what)
+    helpers.assert_close(a, w, what=what)
 
 
 def test_bad_inputs_are_named():

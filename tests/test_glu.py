@@ -65,7 +65,7 @@ def test_low_precision_within_twice_torch_error(impl, dtype, act, pallas_mode):
   low = _torch(a, b, g, act)
   for x, e, t, what in zip(got, exact, low, ("out", "grad a", "grad b")):
     assert x.dtype == dtype
-    helpers.assert_within_torch_error(x, e, t, what=f"{act} {what}")
+    helpers.assert_within_low_precision_error(x, e, t, what=f"{act} {what}")
 
 
 @pytest.mark.parametrize("impl", helpers.CPU_IMPLEMENTATIONS)

@@ -68,17 +68,28 @@ def test_nnx_twin(cls, kwargs):
       return jnp.sum(model(x).astype(jnp.float32) * g)
     return model(x), nnx.grad(loss, argnums=(0, 1))(model, x)
 
-  out_ours, (gp_ours, gx_ours) = run(ours, x)
-  out_theirs, (gp_theirs, gx_theirs) = run(theirs, x)
-  assert out_ours.dtype == out_theirs.dtype and out_ours.shape == out_theirs.shape
-  low = out_ours.dtype == jnp.bfloat16 or kwargs.get("param_dtype") == jnp.bfloat16
-  tol = dict(rtol=2e-2, atol=2e-2) if low else {}
-  helpers.assert_close(out_ours, out_theirs, what="output", **tol)
-  helpers.assert_close(gx_ours, gx_theirs, what="grad x", **tol)
-  for name in ("scale", "bias"):
-    if getattr(theirs, name, None) is not None:
-      helpers.assert_close(getattr(gp_ours, name)[...], getattr(gp_theirs, name)[...],
-                           what=f"grad {name}", **(dict(rtol=2e-2, atol=5e-2) if low else {}))
+  results = {}
+  for name, model in (("ours", ours), ("theirs", theirs)):
+    out, (gp, gx) = run(model, x)
+    results[name] = [out, gx] + [getattr(gp, p)[...] for p in ("scale", "bias")
+                                 if getattr(theirs, p, None) is not None]
+  assert results["ours"][0].dtype == results["theirs"][0].dtype
+  assert results["ours"][0].shape == results["theirs"][0].shape
+  what = ["output", "grad x", "grad params"]
+  low = results["ours"][0].dtype == jnp.bfloat16 or kwargs.get("param_dtype") == jnp.bfloat16
+  if not low:
+    for got, want, w in zip(results["ours"], results["theirs"], what):
+      helpers.assert_close(got, want, what=w)
+    return
+  # Low precision: both against flax in float32 on the same (rounded) values.
+  exact_kwargs = {**kwargs, "dtype": jnp.float32, "param_dtype": jnp.float32}
+  exact = getattr(nnx, cls)(features, rngs=nnx.Rngs(0), **exact_kwargs)
+  nnx.update(exact, jax.tree.map(lambda p: p.astype(jnp.float32), state))
+  out, (gp, gx) = run(exact, x.astype(jnp.float32))
+  reference = [out, gx] + [getattr(gp, p)[...] for p in ("scale", "bias")
+                           if getattr(theirs, p, None) is not None]
+  for got, want, peer, w in zip(results["ours"], reference, results["theirs"], what):
+    helpers.assert_within_low_precision_error(got, want, peer, what=w)
 
 
 def test_nnx_mixed_precision_input_promotes_as_flax():
@@ -145,11 +156,19 @@ def test_linen_twin(cls, kwargs, x_dtype):
   out_ours, grads_ours = run(ours)(params, x)
   out_theirs, grads_theirs = run(theirs)(params, x)
   assert out_ours.dtype == out_theirs.dtype
+  got = [out_ours, *jax.tree.leaves(grads_ours)]
+  peer = [out_theirs, *jax.tree.leaves(grads_theirs)]
   low = jnp.bfloat16 in (out_ours.dtype, x_dtype, kwargs.get("param_dtype"))
-  tol = dict(rtol=2e-2, atol=5e-2) if low else {}
-  helpers.assert_close(out_ours, out_theirs, what="output", **tol)
-  for got, want in zip(jax.tree.leaves(grads_ours), jax.tree.leaves(grads_theirs)):
-    helpers.assert_close(got, want, what="gradient", **tol)
+  if not low:
+    for a, b in zip(got, peer):
+      helpers.assert_close(a, b)
+    return
+  # Low precision: both against flax in float32 on the same (rounded) values.
+  exact = getattr(nn, cls)(**{**kwargs, "dtype": jnp.float32, "param_dtype": jnp.float32})
+  params32 = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+  out, grads = run(exact)(params32, x.astype(jnp.float32))
+  for a, e, b in zip(got, [out, *jax.tree.leaves(grads)], peer):
+    helpers.assert_within_low_precision_error(a, e, b)
 
 
 def test_linen_implementation_field():

@@ -53,7 +53,7 @@ def test_low_precision_within_twice_torch_error(impl, dtype, pallas_mode):
   low = _torch(x, w, b, g)
   for ours, e, t, what in zip(got, exact, low, ("out", "dx", "dweight", "dbias")):
     assert ours.dtype == dtype, what
-    helpers.assert_within_torch_error(ours, e, t, what=what)
+    helpers.assert_within_low_precision_error(ours, e, t, what=what)
 
 
 @pytest.mark.parametrize("impl", helpers.CPU_IMPLEMENTATIONS)

@@ -57,8 +57,8 @@ def test_low_precision_within_twice_torch_error(act, dtype):
   assert out.dtype == dtype and grad.dtype == dtype
   exact = _torch(a, b, g, act, dtype=torch.float64)
   low = _torch(a, b, g, act)
-  helpers.assert_within_torch_error(out, exact[0], low[0], what=f"{act} out")
-  helpers.assert_within_torch_error(grad, exact[1], low[1], what=f"{act} grad")
+  helpers.assert_within_low_precision_error(out, exact[0], low[0], what=f"{act} out")
+  helpers.assert_within_low_precision_error(grad, exact[1], low[1], what=f"{act} grad")
 
 
 def test_traffic_is_three_arrays_forward_four_backward():

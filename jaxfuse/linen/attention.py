@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from jaxfuse.ops import dot_product_attention, rotary_embedding
+from jaxfuse.ops.flash_attention.heads import attend_projected
 
 Initializer = Callable[..., jax.Array]
 
@@ -114,17 +114,11 @@ class MultiHeadDotProductAttention(nn.Module):
                            param_dtype=self.param_dtype)(query)
       key = nn.LayerNorm(name="key_ln", use_bias=False, dtype=self.dtype,
                          param_dtype=self.param_dtype)(key)
-    if self.rotary:
-      if positions is None:
-        positions = jnp.arange(query.shape[-3])
-      if kv_positions is None:
-        kv_positions = positions if self_attention else jnp.arange(key.shape[-3])
-      query = rotary_embedding(query, positions, base=self.rotary_base)
-      key = rotary_embedding(key, kv_positions, base=self.rotary_base)
-    key, value = key.astype(query.dtype), value.astype(query.dtype)
-    x = dot_product_attention(query, key, value, mask=mask, is_causal=is_causal,
-                              segment_ids=segment_ids, kv_lengths=kv_lengths,
-                              implementation=self.implementation)
+    x = attend_projected(query, key, value, self_attention=self_attention, rotary=self.rotary,
+                         rotary_base=self.rotary_base, positions=positions,
+                         kv_positions=kv_positions, mask=mask, is_causal=is_causal,
+                         segment_ids=segment_ids, kv_lengths=kv_lengths,
+                         implementation=self.implementation)
     return nn.DenseGeneral(features=features, axis=(-2, -1),
                            kernel_init=self.out_kernel_init or self.kernel_init,
                            bias_init=self.out_bias_init or self.bias_init,

@@ -12,13 +12,25 @@ def _storage_key(t):
   return (t.untyped_storage().data_ptr(), t.device.type)
 
 
+def _torch():
+  try:
+    import torch
+  except ImportError as e:
+    raise ImportError("jaxfuse.metrics.torch_residual_bytes needs PyTorch, which jaxfuse does "
+                      "not install by default: pip install 'jaxfuse[test]'") from e
+  return torch
+
+
 def torch_saved_tensors(fn: Callable[[], object], exclude: Iterable = ()) -> list[tuple]:
   """Runs ``fn()`` and lists the tensors autograd saves: ``(shape, dtype, bytes)`` each.
 
   Tensors sharing storage with ``exclude`` (the inputs and parameters) are left out, and each
   storage counts once, however many nodes save it; a saved view counts its storage's bytes.
+
+  Raises:
+    ImportError: torch is not installed (it comes with the ``test`` extra).
   """
-  import torch
+  torch = _torch()
 
   excluded = {_storage_key(t) for t in exclude if isinstance(t, torch.Tensor)}
   seen: dict = {}

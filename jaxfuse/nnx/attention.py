@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import initializers
 
-from jaxfuse.ops import dot_product_attention, rotary_embedding
+from jaxfuse.ops.flash_attention.heads import attend_projected
 
 Initializer = Callable[..., jax.Array]
 default_kernel_init = initializers.lecun_normal()
@@ -173,17 +173,11 @@ class MultiHeadAttention(nnx.Module):
     query, key, value = self.query(inputs_q), self.key(inputs_k), self.value(inputs_v)
     if self.normalize_qk:
       query, key = self.query_ln(query), self.key_ln(key)
-    if self.rotary:
-      if positions is None:
-        positions = jnp.arange(query.shape[-3])
-      if kv_positions is None:
-        kv_positions = positions if self_attention else jnp.arange(key.shape[-3])
-      query = rotary_embedding(query, positions, base=self.rotary_base)
-      key = rotary_embedding(key, kv_positions, base=self.rotary_base)
-    key, value = key.astype(query.dtype), value.astype(query.dtype)
-    x = dot_product_attention(query, key, value, mask=mask, is_causal=is_causal,
-                              segment_ids=segment_ids, kv_lengths=kv_lengths,
-                              implementation=self.implementation)
+    x = attend_projected(query, key, value, self_attention=self_attention, rotary=self.rotary,
+                         rotary_base=self.rotary_base, positions=positions,
+                         kv_positions=kv_positions, mask=mask, is_causal=is_causal,
+                         segment_ids=segment_ids, kv_lengths=kv_lengths,
+                         implementation=self.implementation)
     return self.out(x)
 
 

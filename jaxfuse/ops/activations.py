@@ -116,13 +116,19 @@ ACTIVATIONS: dict[str, Activation] = {
 }
 
 
-def get(fn: str | Activation, *, arg: str = "fn") -> Activation:
-  """Returns the activation named ``fn``, or ``fn`` itself when it is callable."""
+def get(fn: str | Activation, *, arg: str = "fn", op: str | None = None) -> Activation:
+  """Returns the activation named ``fn``, or ``fn`` itself when it is callable.
+
+  Raises:
+    ValueError: ``fn`` is neither; the message names ``op`` and its argument ``arg``.
+  """
   if callable(fn):
     return fn
   if isinstance(fn, str) and fn in ACTIVATIONS:
     return ACTIVATIONS[fn]
-  raise ValueError(f"{arg} must be a callable or one of {sorted(ACTIVATIONS)}, got {fn!r}")
+  where = f"{op}: " if op else ""
+  raise ValueError(f"{where}{arg} must be a callable or one of {sorted(ACTIVATIONS)}, "
+                   f"got {fn!r}")
 
 
 def name_of(fn: str | Activation) -> str | None:

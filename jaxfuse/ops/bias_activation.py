@@ -8,6 +8,7 @@ once; the bias gradient is accumulated in float32.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 
@@ -15,24 +16,23 @@ import jax
 import jax.numpy as jnp
 
 from jaxfuse.kernels.pallas import bias_activation as pallas_bias_activation
-from jaxfuse.ops import activation_grads, activations, checks, dispatch
+from jaxfuse.ops import activation_grads, activations, base, checks
 
-_IMPLEMENTATIONS = ("pallas", "xla")
-# XLA fuses an elementwise chain and its bias reduction well on GPUs too; the Pallas kernels are
-# there to own the traffic explicitly (and measured against it).
-_PREFERENCE = {"gpu": ("pallas", "xla"), "cpu": ("xla",)}
+BIAS_ACT = base.Op("bias_act", ("pallas", "xla"), base.ELEMENTWISE_GPU_ORDER)
 BIAS_ACT_ACTIVATIONS = ("gelu", "gelu_tanh", "silu", "relu", "squared_relu")
 
 
-def _compute_dtype(dtype):
-  return jnp.promote_types(dtype, jnp.float32)
+# Reference --------------------------------------------------------------------------------------
 
 
 def bias_act_reference(x: jax.Array, bias: jax.Array, act: str | Callable = "gelu") -> jax.Array:
   """Plain-jnp ``act(x + bias)``, computed in float32 for low-precision inputs."""
-  fn = activations.get(act, arg="act")
-  cd = _compute_dtype(x.dtype)
+  fn = activations.get(act, arg="act", op="bias_act_reference")
+  cd = base.compute_dtype(x.dtype)
   return fn(x.astype(cd) + bias.astype(cd)).astype(x.dtype)
+
+
+# Checks -----------------------------------------------------------------------------------------
 
 
 def _check(op, x, bias):
@@ -45,6 +45,14 @@ def _check(op, x, bias):
   checks.dim(op, "bias", bias, 0, x.shape[-1], "the last axis of x")
 
 
+@dataclasses.dataclass(frozen=True)
+class _Config(base.Config):
+  fn: Callable
+
+
+# The op -----------------------------------------------------------------------------------------
+
+
 def bias_act(x: jax.Array, bias: jax.Array, act: str | Callable = "gelu", *,
              implementation: str | None = None) -> jax.Array:
   """``act(x + bias)`` over the last axis, fused, keeping only the inputs for the backward.
@@ -55,7 +63,7 @@ def bias_act(x: jax.Array, bias: jax.Array, act: str | Callable = "gelu", *,
     act: ``"gelu"`` (exact, as ``F.gelu``), ``"gelu_tanh"`` (``F.gelu(approximate="tanh")``),
       ``"silu"``, ``"relu"``, ``"squared_relu"``, another name from
       :data:`jaxfuse.ops.activations.ACTIVATIONS`, or an elementwise jnp function.
-    implementation: ``None`` (the fastest here), ``"pallas"`` or ``"xla"``.
+    implementation: ``None`` (XLA: it fuses this chain by itself), ``"pallas"`` or ``"xla"``.
 
   Returns:
     ``act(x + bias)`` in the dtype of ``x``. Its gradient for ``bias`` is the sum over every
@@ -67,55 +75,73 @@ def bias_act(x: jax.Array, bias: jax.Array, act: str | Callable = "gelu", *,
     >>> bias_act(jnp.array([[1.0, -2.0]]), jnp.array([0.5, 1.0]), "relu")
     Array([[1.5, 0. ]], dtype=float32)
   """
-  op = "bias_act"
+  op = BIAS_ACT.name
   _check(op, x, bias)
-  fn = activations.get(act, arg="act")
-  impl = dispatch.resolve(op, implementation, _IMPLEMENTATIONS, _PREFERENCE)
-  interpret = impl == "pallas" and not dispatch.on_gpu()
+  cfg = _Config(**BIAS_ACT.backend(implementation), fn=activations.get(act, arg="act", op=op))
   name = activations.name_of(act)
   with jax.named_scope(f"jaxfuse.bias_act[{name or 'fn'}]"):
-    return _bias_act(x, bias, fn, impl, interpret)
+    return _bias_act(x, bias, cfg)
 
 
-def _forward(x, bias, fn, impl, interpret):
-  if impl == "pallas":
-    n = x.shape[-1]
-    y = pallas_bias_activation.bias_act_forward(x.reshape(-1, n), bias, fn, interpret=interpret)
-    return y.reshape(x.shape)
-  cd = _compute_dtype(x.dtype)
+# Forward and backward ---------------------------------------------------------------------------
+
+
+def _xla_forward(x, bias, fn):
+  cd = base.compute_dtype(x.dtype)
   return activation_grads.value(fn, x.astype(cd) + bias.astype(cd)).astype(x.dtype)
 
 
-def _backward(x, bias, g, fn, impl, interpret):
-  if impl == "pallas":
-    n = x.shape[-1]
-    dx, dbias = pallas_bias_activation.bias_act_backward(
-        x.reshape(-1, n), bias, g.reshape(-1, n), fn, interpret=interpret)
-    return dx.reshape(x.shape), dbias
-  # The barrier keeps XLA from sharing the activation's intermediates with the forward pass
-  # (which would write them to memory and read them back): the backward is one fused loop over
-  # the inputs, plus the bias reduction.
-  x, bias, g = jax.lax.optimization_barrier((x, bias, g))
-  cd = _compute_dtype(x.dtype)
+def _xla_backward(x, bias, g, fn):
+  cd = base.compute_dtype(x.dtype)
   _, grad = activation_grads.value_and_grad(fn, x.astype(cd) + bias.astype(cd))
   dz = g.astype(cd) * grad
   dbias = jnp.sum(dz.astype(jnp.float32), axis=tuple(range(x.ndim - 1)))
   return dz.astype(x.dtype), dbias.astype(bias.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _bias_act(x, bias, fn, impl, interpret):
-  return _forward(x, bias, fn, impl, interpret)
+def _rows(x):
+  return x.reshape(-1, x.shape[-1])
 
 
-def _bias_act_fwd(x, bias, fn, impl, interpret):
+def _forward(x, bias, cfg):
+  if cfg.impl == "pallas":
+    kernel = functools.partial(pallas_bias_activation.bias_act_forward, fn=cfg.fn,
+                               interpret=cfg.interpret)
+    twin = functools.partial(_xla_forward, fn=cfg.fn)
+    return base.kernel_call(kernel, twin, _rows(x), bias).reshape(x.shape)
+  return _xla_forward(x, bias, cfg.fn)
+
+
+def _backward(x, bias, g, cfg):
+  if cfg.impl == "pallas":
+    kernel = functools.partial(pallas_bias_activation.bias_act_backward, fn=cfg.fn,
+                               interpret=cfg.interpret)
+    twin = functools.partial(_xla_backward, fn=cfg.fn)
+    dx, dbias = base.kernel_call(kernel, twin, _rows(x), bias, _rows(g))
+    return dx.reshape(x.shape), dbias
+  # The barrier keeps XLA from sharing the activation's intermediates with the forward pass
+  # (which would write them to memory and read them back): the backward is one fused loop over
+  # the inputs, plus the bias reduction.
+  x, bias, g = jax.lax.optimization_barrier((x, bias, g))
+  return _xla_backward(x, bias, g, cfg.fn)
+
+
+# The custom VJP ---------------------------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _bias_act(x, bias, cfg):
+  return _forward(x, bias, cfg)
+
+
+def _bias_act_fwd(x, bias, cfg):
   # Residuals: the inputs only; x + bias and the activation are recomputed in the backward.
-  return _forward(x, bias, fn, impl, interpret), (x, bias)
+  return _forward(x, bias, cfg), (x, bias)
 
 
-def _bias_act_bwd(fn, impl, interpret, residuals, g):
+def _bias_act_bwd(cfg, residuals, g):
   x, bias = residuals
-  return _backward(x, bias, g, fn, impl, interpret)
+  return _backward(x, bias, g, cfg)
 
 
-_bias_act.defvjp(_bias_act_fwd, _bias_act_bwd, optimize_remat=True)
+_bias_act.defvjp(_bias_act_fwd, _bias_act_bwd)

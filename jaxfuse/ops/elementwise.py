@@ -8,6 +8,7 @@ beyond the inputs stays alive between the passes.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 
@@ -15,23 +16,24 @@ import jax
 import jax.numpy as jnp
 
 from jaxfuse.kernels.pallas import elementwise as pallas_elementwise
-from jaxfuse.ops import activation_grads, activations, checks, dispatch
+from jaxfuse.ops import activation_grads, activations, base, checks
 
-_IMPLEMENTATIONS = ("pallas", "triton", "xla")
-# XLA fuses elementwise chains on GPUs as well as a hand-written kernel does, without a launch
-# of its own; the Pallas kernel is there to show and measure the fusion explicitly.
-_PREFERENCE = {"gpu": ("xla", "pallas"), "cpu": ("xla",)}
+ADD_ACT = base.Op("add_act", ("pallas", "triton", "xla"), base.ELEMENTWISE_GPU_ORDER)
+ADD_ACT_UNFUSED = base.Op("add_act_unfused", ("pallas", "xla"), ("pallas", "xla"))
+RELU = base.Op("relu", ("pallas", "xla"), base.ELEMENTWISE_GPU_ORDER)
 
 
-def _compute_dtype(dtype):
-  return jnp.promote_types(dtype, jnp.float32)
+# Reference --------------------------------------------------------------------------------------
 
 
 def add_act_reference(a: jax.Array, b: jax.Array, fn: str | Callable = "relu") -> jax.Array:
   """Plain-jnp ``fn(a + b)``, computed in float32 for low-precision inputs."""
-  fn = activations.get(fn)
-  cd = _compute_dtype(a.dtype)
+  fn = activations.get(fn, op="add_act_reference")
+  cd = base.compute_dtype(a.dtype)
   return fn(a.astype(cd) + b.astype(cd)).astype(a.dtype)
+
+
+# Checks -----------------------------------------------------------------------------------------
 
 
 def _check(op, a, b):
@@ -41,16 +43,25 @@ def _check(op, a, b):
   checks.same_dtype(op, ("a", "b"), (a, b))
 
 
-def _resolve(op, fn, implementation):
-  impl = dispatch.resolve(op, implementation, _IMPLEMENTATIONS, _PREFERENCE)
-  if impl == "triton":
+@dataclasses.dataclass(frozen=True)
+class _Config(base.Config):
+  fn: Callable
+  name: str | None   # the activation's registry name (the Triton kernels take names only)
+
+
+def _config(op: base.Op, fn, implementation) -> _Config:
+  fn_callable = activations.get(fn, op=op.name)
+  cfg = _Config(**op.backend(implementation), fn=fn_callable, name=activations.name_of(fn))
+  if cfg.impl == "triton":
     from jaxfuse.kernels.triton import elementwise as triton_elementwise
 
-    name = activations.name_of(fn)
-    if name not in triton_elementwise.ACTIVATIONS:
-      raise ValueError(f"{op}: implementation='triton' supports the named activations "
+    if cfg.name not in triton_elementwise.ACTIVATIONS:
+      raise ValueError(f"{op.name}: implementation='triton' supports the named activations "
                        f"{triton_elementwise.ACTIVATIONS}, got fn={fn!r}")
-  return impl
+  return cfg
+
+
+# The op -----------------------------------------------------------------------------------------
 
 
 def add_act(a: jax.Array, b: jax.Array, fn: str | Callable = "relu", *,
@@ -63,7 +74,8 @@ def add_act(a: jax.Array, b: jax.Array, fn: str | Callable = "relu", *,
     fn: an activation name from :data:`jaxfuse.ops.activations.ACTIVATIONS` (``"relu"``,
       ``"gelu"``, ``"silu"``, ...) or any elementwise jnp function. The Pallas kernel takes any
       function it can lower; the Triton kernel takes the names only.
-    implementation: ``None`` (the fastest here), ``"pallas"``, ``"triton"`` or ``"xla"``.
+    implementation: ``None`` (XLA: it fuses this chain by itself), ``"pallas"``, ``"triton"``
+      or ``"xla"``.
 
   Returns:
     ``fn(a + b)`` in the dtype of ``a``. Low-precision inputs are added and activated in float32
@@ -75,64 +87,80 @@ def add_act(a: jax.Array, b: jax.Array, fn: str | Callable = "relu", *,
     >>> add_act(jnp.array([1.0, -2.0]), jnp.array([0.5, 1.0]), "relu")
     Array([1.5, 0. ], dtype=float32)
   """
-  op = "add_act"
-  _check(op, a, b)
-  fn_callable = activations.get(fn)
-  impl = _resolve(op, fn, implementation)
-  interpret = impl == "pallas" and not dispatch.on_gpu()
-  name = activations.name_of(fn)
-  with jax.named_scope(f"jaxfuse.add_act[{name or 'fn'}]"):
-    return _add_act(a, b, fn_callable, name, impl, interpret)
+  _check(ADD_ACT.name, a, b)
+  cfg = _config(ADD_ACT, fn, implementation)
+  with jax.named_scope(f"jaxfuse.add_act[{cfg.name or 'fn'}]"):
+    return _add_act(a, b, cfg)
 
 
-def _forward(a, b, fn, name, impl, interpret):
-  if impl == "pallas":
-    return pallas_elementwise.add_act_forward(a, b, fn, interpret=interpret)
-  if impl == "triton":
-    from jaxfuse.kernels.triton import elementwise as triton_elementwise
+# Forward and backward ---------------------------------------------------------------------------
 
-    return triton_elementwise.add_act_forward(a, b, name)
-  cd = _compute_dtype(a.dtype)
+
+def _xla_forward(a, b, fn):
+  cd = base.compute_dtype(a.dtype)
   return activation_grads.value(fn, a.astype(cd) + b.astype(cd)).astype(a.dtype)
 
 
-def _backward_kernel(a, b, g, fn, name, impl, interpret):
-  if impl == "pallas":
-    return pallas_elementwise.add_act_backward(a, b, g, fn, interpret=interpret)
-  if impl == "triton":
-    from jaxfuse.kernels.triton import elementwise as triton_elementwise
-
-    return triton_elementwise.add_act_backward(a, b, g, name)
-  cd = _compute_dtype(a.dtype)
+def _xla_backward(a, b, g, fn):
+  cd = base.compute_dtype(a.dtype)
   _, grad = activation_grads.value_and_grad(fn, a.astype(cd) + b.astype(cd))
   return (g.astype(cd) * grad).astype(a.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def _add_act(a, b, fn, name, impl, interpret):
-  return _forward(a, b, fn, name, impl, interpret)
+def _forward(a, b, cfg):
+  twin = functools.partial(_xla_forward, fn=cfg.fn)
+  if cfg.impl == "pallas":
+    kernel = functools.partial(pallas_elementwise.add_act_forward, fn=cfg.fn,
+                               interpret=cfg.interpret)
+    return base.kernel_call(kernel, twin, a, b)
+  if cfg.impl == "triton":
+    from jaxfuse.kernels.triton import elementwise as triton_elementwise
+
+    kernel = functools.partial(triton_elementwise.add_act_forward, act=cfg.name)
+    return base.kernel_call(kernel, twin, a, b)
+  return twin(a, b)
 
 
-def _add_act_fwd(a, b, fn, name, impl, interpret):
+def _backward(a, b, g, cfg):
+  twin = functools.partial(_xla_backward, fn=cfg.fn)
+  if cfg.impl == "pallas":
+    kernel = functools.partial(pallas_elementwise.add_act_backward, fn=cfg.fn,
+                               interpret=cfg.interpret)
+    return base.kernel_call(kernel, twin, a, b, g)
+  if cfg.impl == "triton":
+    from jaxfuse.kernels.triton import elementwise as triton_elementwise
+
+    kernel = functools.partial(triton_elementwise.add_act_backward, act=cfg.name)
+    return base.kernel_call(kernel, twin, a, b, g)
+  return twin(a, b, g)
+
+
+# The custom VJP ---------------------------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _add_act(a, b, cfg):
+  return _forward(a, b, cfg)
+
+
+def _add_act_fwd(a, b, cfg):
   # Residuals: the inputs only. a + b is recomputed in the backward kernel.
-  return _forward(a, b, fn, name, impl, interpret), (a, b)
+  return _forward(a, b, cfg), (a, b)
 
 
-def _add_act_bwd(fn, name, impl, interpret, residuals, g):
+def _add_act_bwd(cfg, residuals, g):
   # The barrier keeps XLA from merging the recomputed a + b (and fn's intermediates) with the
   # forward's: merged, XLA:CPU materializes the shared intermediates (19 arrays of traffic
   # instead of 11 for gelu, measured).
   a, b = jax.lax.optimization_barrier(residuals)
-  da = _backward_kernel(a, b, g, fn, name, impl, interpret)
+  da = _backward(a, b, g, cfg)
   return da, da
 
 
-_add_act.defvjp(_add_act_fwd, _add_act_bwd, optimize_remat=True)
+_add_act.defvjp(_add_act_fwd, _add_act_bwd)
 
 
 # The unfused chain ------------------------------------------------------------------------------
-
-_UNFUSED_IMPLEMENTATIONS = ("pallas", "xla")
 
 
 def add_act_unfused(a: jax.Array, b: jax.Array, fn: str | Callable = "relu", *,
@@ -149,59 +177,84 @@ def add_act_unfused(a: jax.Array, b: jax.Array, fn: str | Callable = "relu", *,
     >>> add_act_unfused(jnp.array([1.0, -2.0]), jnp.array([0.5, 1.0]), "relu")
     Array([1.5, 0. ], dtype=float32)
   """
-  op = "add_act_unfused"
-  _check(op, a, b)
-  fn_callable = activations.get(fn)
-  impl = dispatch.resolve(op, implementation, _UNFUSED_IMPLEMENTATIONS,
-                          {"gpu": ("pallas",), "cpu": ("xla",)})
-  interpret = impl == "pallas" and not dispatch.on_gpu()
-  c = _add(a, b, impl, interpret)
-  if impl == "xla":
+  _check(ADD_ACT_UNFUSED.name, a, b)
+  cfg = _config(ADD_ACT_UNFUSED, fn, implementation)
+  c = _add(a, b, cfg)
+  if cfg.impl == "xla":
     c = jax.lax.optimization_barrier(c)
-  return _act(c, fn_callable, impl, interpret)
+  return _act(c, cfg)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _add(a, b, impl, interpret):
-  if impl == "pallas":
-    return pallas_elementwise.add_forward(a, b, interpret=interpret)
+def _xla_add(a, b):
   return a + b
 
 
-def _add_fwd(a, b, impl, interpret):
-  return _add(a, b, impl, interpret), None
+def _xla_act(c, fn):
+  cd = base.compute_dtype(c.dtype)
+  return fn(c.astype(cd)).astype(c.dtype)
 
 
-def _add_bwd(impl, interpret, _, g):
+def _xla_act_backward(c, g, fn):
+  cd = base.compute_dtype(c.dtype)
+  return jax.vjp(fn, c.astype(cd))[1](g.astype(cd))[0].astype(c.dtype)
+
+
+def _add_forward(a, b, cfg):
+  if cfg.impl == "pallas":
+    kernel = functools.partial(pallas_elementwise.add_forward, interpret=cfg.interpret)
+    return base.kernel_call(kernel, _xla_add, a, b)
+  return _xla_add(a, b)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _add(a, b, cfg):
+  return _add_forward(a, b, cfg)
+
+
+def _add_fwd(a, b, cfg):
+  # Nothing kept: the gradient of a sum is the cotangent itself.
+  return _add_forward(a, b, cfg), None
+
+
+def _add_bwd(cfg, _, g):
   return g, g
 
 
 _add.defvjp(_add_fwd, _add_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def _act(c, fn, impl, interpret):
-  if impl == "pallas":
-    return pallas_elementwise.act_forward(c, fn, interpret=interpret)
-  cd = _compute_dtype(c.dtype)
-  return fn(c.astype(cd)).astype(c.dtype)
+def _act_forward(c, cfg):
+  twin = functools.partial(_xla_act, fn=cfg.fn)
+  if cfg.impl == "pallas":
+    kernel = functools.partial(pallas_elementwise.act_forward, fn=cfg.fn,
+                               interpret=cfg.interpret)
+    return base.kernel_call(kernel, twin, c)
+  return twin(c)
 
 
-def _act_fwd(c, fn, impl, interpret):
-  return _act(c, fn, impl, interpret), c
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _act(c, cfg):
+  return _act_forward(c, cfg)
 
 
-def _act_bwd(fn, impl, interpret, c, g):
-  if impl == "pallas":
-    return (pallas_elementwise.act_backward(c, g, fn, interpret=interpret),)
-  cd = _compute_dtype(c.dtype)
-  return (jax.vjp(fn, c.astype(cd))[1](g.astype(cd))[0].astype(c.dtype),)
+def _act_fwd(c, cfg):
+  # Residual: the sum c, written by the add kernel and kept, as a two-kernel chain does.
+  return _act_forward(c, cfg), c
+
+
+def _act_bwd(cfg, c, g):
+  twin = functools.partial(_xla_act_backward, fn=cfg.fn)
+  if cfg.impl == "pallas":
+    kernel = functools.partial(pallas_elementwise.act_backward, fn=cfg.fn,
+                               interpret=cfg.interpret)
+    return (base.kernel_call(kernel, twin, c, g),)
+  return (twin(c, g),)
 
 
 _act.defvjp(_act_fwd, _act_bwd)
 
 
-# relu that keeps its output ------------------------------------------------------------------------
+# relu that keeps its output ---------------------------------------------------------------------
 
 
 def relu(x: jax.Array, *, implementation: str | None = None) -> jax.Array:
@@ -217,29 +270,43 @@ def relu(x: jax.Array, *, implementation: str | None = None) -> jax.Array:
     >>> relu(jnp.array([-1.0, 2.0]))
     Array([0., 2.], dtype=float32)
   """
-  op = "relu"
-  checks.floating(op, "x", x)
-  impl = dispatch.resolve(op, implementation, _UNFUSED_IMPLEMENTATIONS, _PREFERENCE)
-  interpret = impl == "pallas" and not dispatch.on_gpu()
-  return _relu(x, impl, interpret)
+  checks.floating(RELU.name, "x", x)
+  return _relu(x, base.Config(**RELU.backend(implementation)))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _relu(x, impl, interpret):
-  if impl == "pallas":
-    return pallas_elementwise.act_forward(x, jax.nn.relu, interpret=interpret)
+def _xla_relu(x):
   return jnp.maximum(x, jnp.zeros_like(x))
 
 
-def _relu_fwd(x, impl, interpret):
-  y = _relu(x, impl, interpret)
+def _xla_relu_backward(y, g):
+  return jnp.where(y > 0, g, jnp.zeros_like(g))
+
+
+def _relu_forward(x, cfg):
+  if cfg.impl == "pallas":
+    kernel = functools.partial(pallas_elementwise.act_forward, fn=jax.nn.relu,
+                               interpret=cfg.interpret)
+    return base.kernel_call(kernel, _xla_relu, x)
+  return _xla_relu(x)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _relu(x, cfg):
+  return _relu_forward(x, cfg)
+
+
+def _relu_fwd(x, cfg):
+  # Residual: the output (the next layer usually keeps it anyway).
+  y = _relu_forward(x, cfg)
   return y, y
 
 
-def _relu_bwd(impl, interpret, y, g):
-  if impl == "pallas":
-    return (pallas_elementwise.relu_backward_from_output(y, g, interpret=interpret),)
-  return (jnp.where(y > 0, g, jnp.zeros_like(g)),)
+def _relu_bwd(cfg, y, g):
+  if cfg.impl == "pallas":
+    kernel = functools.partial(pallas_elementwise.relu_backward_from_output,
+                               interpret=cfg.interpret)
+    return (base.kernel_call(kernel, _xla_relu_backward, y, g),)
+  return (_xla_relu_backward(y, g),)
 
 
 _relu.defvjp(_relu_fwd, _relu_bwd)

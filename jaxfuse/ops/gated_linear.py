@@ -8,6 +8,7 @@ backward recomputes ``act(a)`` from the inputs and writes ``da = g * b * act'(a)
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 
@@ -15,14 +16,12 @@ import jax
 import jax.numpy as jnp
 
 from jaxfuse.kernels.pallas import gated_linear as pallas_gated_linear
-from jaxfuse.ops import activation_grads, activations, checks, dispatch
+from jaxfuse.ops import activation_grads, activations, base, checks
 
-_IMPLEMENTATIONS = ("pallas", "triton", "xla")
-_PREFERENCE = {"gpu": ("pallas", "triton", "xla"), "cpu": ("xla",)}
+GLU = base.Op("glu", ("pallas", "triton", "xla"), base.ELEMENTWISE_GPU_ORDER)
 
 
-def _compute_dtype(dtype):
-  return jnp.promote_types(dtype, jnp.float32)
+# Reference --------------------------------------------------------------------------------------
 
 
 def _split(x):
@@ -36,9 +35,12 @@ def glu_reference(a: jax.Array, b: jax.Array | None = None,
   if b is None or isinstance(b, str) or callable(b):
     act = "silu" if b is None else b
     a, b = _split(a)
-  fn = activations.get(act, arg="act")
-  cd = _compute_dtype(a.dtype)
+  fn = activations.get(act, arg="act", op="glu_reference")
+  cd = base.compute_dtype(a.dtype)
   return (fn(a.astype(cd)) * b.astype(cd)).astype(a.dtype)
+
+
+# Checks -----------------------------------------------------------------------------------------
 
 
 def _check(op, a, b):
@@ -56,15 +58,26 @@ def _check(op, a, b):
     raise ValueError(f"{op}: a must have rank >= 1, got shape ()")
 
 
-def _resolve(op, act, implementation):
-  impl = dispatch.resolve(op, implementation, _IMPLEMENTATIONS, _PREFERENCE)
-  if impl == "triton":
+@dataclasses.dataclass(frozen=True)
+class _Config(base.Config):
+  fn: Callable
+  name: str | None   # the activation's registry name (the Triton kernels take names only)
+
+
+def _config(act, implementation) -> _Config:
+  op = GLU.name
+  cfg = _Config(**GLU.backend(implementation), fn=activations.get(act, arg="act", op=op),
+                name=activations.name_of(act))
+  if cfg.impl == "triton":
     from jaxfuse.kernels.triton import gated_linear as triton_gated_linear
 
-    if activations.name_of(act) not in triton_gated_linear.ACTIVATIONS:
+    if cfg.name not in triton_gated_linear.ACTIVATIONS:
       raise ValueError(f"{op}: implementation='triton' supports the named activations "
                        f"{triton_gated_linear.ACTIVATIONS}, got act={act!r}")
-  return impl
+  return cfg
+
+
+# The op -----------------------------------------------------------------------------------------
 
 
 def glu(a: jax.Array, b: jax.Array | str | Callable | None = None,
@@ -86,7 +99,8 @@ def glu(a: jax.Array, b: jax.Array | str | Callable | None = None,
     act: ``"silu"`` (SwiGLU), ``"gelu"`` / ``"gelu_tanh"`` (GEGLU), ``"relu"`` (ReGLU), another
       name from :data:`jaxfuse.ops.activations.ACTIVATIONS`, or an elementwise jnp function
       (not with ``implementation="triton"``).
-    implementation: ``None`` (the fastest here), ``"pallas"``, ``"triton"`` or ``"xla"``.
+    implementation: ``None`` (XLA: it fuses this by itself), ``"pallas"``, ``"triton"`` or
+      ``"xla"``.
 
   Returns:
     ``act(a) * b`` in the dtype of ``a``; for the packed form the last axis is halved.
@@ -100,110 +114,121 @@ def glu(a: jax.Array, b: jax.Array | str | Callable | None = None,
     >>> glu(jnp.concatenate([gate, up]), "relu")
     Array([0., 1.], dtype=float32)
   """
-  op = "glu"
   if isinstance(b, str) or callable(b):
     act, b = b, None
-  _check(op, a, b)
-  fn = activations.get(act, arg="act")
-  impl = _resolve(op, act, implementation)
-  interpret = impl == "pallas" and not dispatch.on_gpu()
-  name = activations.name_of(act)
-  with jax.named_scope(f"jaxfuse.glu[{name or 'fn'}]"):
+  _check(GLU.name, a, b)
+  cfg = _config(act, implementation)
+  with jax.named_scope(f"jaxfuse.glu[{cfg.name or 'fn'}]"):
     if b is None:
-      return _glu_packed(a, fn, name, impl, interpret)
-    return _glu(a, b, fn, name, impl, interpret)
+      return _glu_packed(a, cfg)
+    return _glu(a, b, cfg)
+
+
+# Forward and backward ---------------------------------------------------------------------------
 
 
 def _rows(x):
-  return x.reshape(-1, x.shape[-1])
+  return None if x is None else x.reshape(-1, x.shape[-1])
 
 
-def _forward(a, b, fn, name, impl, interpret):
+def _xla_forward(a, b, fn):
   """``act(a) * b``; packed ``a`` when ``b`` is None."""
-  shape = a.shape[:-1] + ((a.shape[-1] // 2,) if b is None else (a.shape[-1],))
-  if impl == "pallas":
-    y = pallas_gated_linear.glu_forward(_rows(a), None if b is None else _rows(b), fn,
-                                        interpret=interpret)
-    return y.reshape(shape)
-  if impl == "triton":
-    from jaxfuse.kernels.triton import gated_linear as triton_gated_linear
-
-    y = triton_gated_linear.glu_forward(_rows(a), None if b is None else _rows(b), name)
-    return y.reshape(shape)
   if b is None:
     a, b = _split(a)
-  cd = _compute_dtype(a.dtype)
+  cd = base.compute_dtype(a.dtype)
   return (activation_grads.value(fn, a.astype(cd)) * b.astype(cd)).astype(a.dtype)
 
 
-def _backward(a, b, g, fn, name, impl, interpret):
-  """``(da, db)``; for packed ``a`` (``b`` None), ``dx = [da | db]``."""
-  if impl in ("pallas", "triton"):
-    args = (_rows(a), None if b is None else _rows(b), _rows(g))
-    if impl == "pallas":
-      out = pallas_gated_linear.glu_backward(*args, fn, interpret=interpret)
-    else:
-      from jaxfuse.kernels.triton import gated_linear as triton_gated_linear
+def _xla_backward(a, b, g, fn):
+  """``(da, db)``, or for packed ``a`` (``b`` None) ``dx = [da | db]``.
 
-      out = triton_gated_linear.glu_backward(*args, name)
-    if b is None:
-      return out.reshape(a.shape)
-    return out[0].reshape(a.shape), out[1].reshape(b.shape)
+  ``da = g * b * act'(a)`` and ``db = g * act(a)`` are each one fused loop over the inputs; the
+  activation is recomputed in each. The barriers keep XLA from computing it once and sharing it
+  (between the two gradients, or with the forward pass): XLA:CPU would then write it to memory
+  and read it back in three more loops, which measures about 1.5x slower here.
+  """
   packed = b is None
   if packed:
     a, b = _split(a)
-  da, db = _xla_backward(a, b, g, fn)
+  cd = base.compute_dtype(a.dtype)
+  a1, b1, g1 = jax.lax.optimization_barrier((a, b, g))
+  _, grad = activation_grads.value_and_grad(fn, a1.astype(cd))
+  da = (g1.astype(cd) * b1.astype(cd) * grad).astype(a.dtype)
+  a2, g2 = jax.lax.optimization_barrier((a, g))
+  db = (g2.astype(cd) * activation_grads.value(fn, a2.astype(cd))).astype(b.dtype)
   if packed:
     return jnp.concatenate([da, db], axis=-1)
   return da, db
 
 
-def _xla_backward(a, b, g, fn):
-  """``da = g * b * act'(a)`` and ``db = g * act(a)``, each one fused loop over the inputs.
+def _kernels(cfg):
+  """The forward and backward kernels of ``cfg.impl`` over 2-D rows (b=None: packed)."""
+  if cfg.impl == "pallas":
+    forward = functools.partial(pallas_gated_linear.glu_forward, fn=cfg.fn,
+                                interpret=cfg.interpret)
+    backward = functools.partial(pallas_gated_linear.glu_backward, fn=cfg.fn,
+                                 interpret=cfg.interpret)
+    return forward, backward
+  from jaxfuse.kernels.triton import gated_linear as triton_gated_linear
 
-  The activation is recomputed in each loop. The barriers keep XLA from computing it once and
-  sharing it (between the two gradients, or with the forward pass): XLA:CPU would then write it
-  to memory and read it back in three more loops, which measures about 1.5x slower here.
-  """
-  cd = _compute_dtype(a.dtype)
-  a1, b1, g1 = jax.lax.optimization_barrier((a, b, g))
-  _, grad = activation_grads.value_and_grad(fn, a1.astype(cd))
-  da = g1.astype(cd) * b1.astype(cd) * grad
-  a2, g2 = jax.lax.optimization_barrier((a, g))
-  db = g2.astype(cd) * activation_grads.value(fn, a2.astype(cd))
-  return da.astype(a.dtype), db.astype(b.dtype)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def _glu(a, b, fn, name, impl, interpret):
-  return _forward(a, b, fn, name, impl, interpret)
+  forward = functools.partial(triton_gated_linear.glu_forward, act=cfg.name)
+  backward = functools.partial(triton_gated_linear.glu_backward, act=cfg.name)
+  return forward, backward
 
 
-def _glu_fwd(a, b, fn, name, impl, interpret):
+def _forward(a, b, cfg):
+  if cfg.impl == "xla":
+    return _xla_forward(a, b, cfg.fn)
+  shape = a.shape[:-1] + ((a.shape[-1] // 2,) if b is None else (a.shape[-1],))
+  kernel, _ = _kernels(cfg)
+  twin = functools.partial(_xla_forward, fn=cfg.fn)
+  return base.kernel_call(kernel, twin, _rows(a), _rows(b)).reshape(shape)
+
+
+def _backward(a, b, g, cfg):
+  if cfg.impl == "xla":
+    return _xla_backward(a, b, g, cfg.fn)
+  _, kernel = _kernels(cfg)
+  twin = functools.partial(_xla_backward, fn=cfg.fn)
+  out = base.kernel_call(kernel, twin, _rows(a), _rows(b), _rows(g))
+  if b is None:
+    return out.reshape(a.shape)
+  return out[0].reshape(a.shape), out[1].reshape(b.shape)
+
+
+# The custom VJPs --------------------------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _glu(a, b, cfg):
+  return _forward(a, b, cfg)
+
+
+def _glu_fwd(a, b, cfg):
   # Residuals: the inputs only; act(a) is recomputed in the backward.
-  return _forward(a, b, fn, name, impl, interpret), (a, b)
+  return _forward(a, b, cfg), (a, b)
 
 
-def _glu_bwd(fn, name, impl, interpret, residuals, g):
+def _glu_bwd(cfg, residuals, g):
   a, b = residuals
-  return _backward(a, b, g, fn, name, impl, interpret)
+  return _backward(a, b, g, cfg)
 
 
-_glu.defvjp(_glu_fwd, _glu_bwd, optimize_remat=True)
+_glu.defvjp(_glu_fwd, _glu_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
-def _glu_packed(x, fn, name, impl, interpret):
-  return _forward(x, None, fn, name, impl, interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _glu_packed(x, cfg):
+  return _forward(x, None, cfg)
 
 
-def _glu_packed_fwd(x, fn, name, impl, interpret):
+def _glu_packed_fwd(x, cfg):
   # Residual: the input only.
-  return _forward(x, None, fn, name, impl, interpret), x
+  return _forward(x, None, cfg), x
 
 
-def _glu_packed_bwd(fn, name, impl, interpret, x, g):
-  return (_backward(x, None, g, fn, name, impl, interpret),)
+def _glu_packed_bwd(cfg, x, g):
+  return (_backward(x, None, g, cfg),)
 
 
-_glu_packed.defvjp(_glu_packed_fwd, _glu_packed_bwd, optimize_remat=True)
+_glu_packed.defvjp(_glu_packed_fwd, _glu_packed_bwd)

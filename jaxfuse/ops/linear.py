@@ -25,12 +25,12 @@ import jax
 import jax.numpy as jnp
 
 from jaxfuse.kernels.pallas import linear as pallas_linear
-from jaxfuse.ops import checks, dispatch
+from jaxfuse.ops import base, checks, dispatch
 
-_IMPLEMENTATIONS = ("pallas", "xla")
-# cuBLAS through XLA beats a simple Pallas tile loop on GPUs; Pallas is there for fusion work
-# and for measurement.
-_PREFERENCE = {"gpu": ("xla", "pallas"), "cpu": ("xla",)}
+# Matmuls: XLA (cuBLAS on GPUs) comes first; the Pallas kernels are there for fusion work and
+# for measurement. dense has no kernel of its own: its products are XLA's.
+RECOMPUTE_LINEAR = base.Op("recompute_linear", ("pallas", "xla"), base.MATMUL_GPU_ORDER)
+DENSE = base.Op("dense", ("xla",), base.MATMUL_GPU_ORDER)
 
 
 def _precision(dtype):
@@ -121,10 +121,8 @@ def dense(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
     >>> jax.grad(lambda k: dense(x, k).sum())(k).shape
     (3, 4)
   """
-  op = "dense"
-  _check(op, x, kernel, bias, name="kernel", in_axis=0)
-  # One implementation: the products are XLA's (cuBLAS on GPUs), as for recompute_linear.
-  dispatch.resolve(op, implementation, ("xla",))
+  _check(DENSE.name, x, kernel, bias, name="kernel", in_axis=0)
+  DENSE.resolve(implementation)
   with jax.named_scope("jaxfuse.dense"):
     return _dense(x, kernel, bias, precision)
 
@@ -158,7 +156,7 @@ def _dense_bwd(precision, residuals, g):
   return dx.astype(x.dtype), dkernel, dbias
 
 
-_dense.defvjp(_dense_fwd, _dense_bwd, optimize_remat=True)
+_dense.defvjp(_dense_fwd, _dense_bwd)
 
 
 def recompute_linear(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None, *,
@@ -181,34 +179,38 @@ def recompute_linear(x: jax.Array, weight: jax.Array, bias: jax.Array | None = N
     >>> recompute_linear(jnp.ones((2, 3)), jnp.ones((4, 3)), jnp.zeros(4)).shape
     (2, 4)
   """
-  op = "recompute_linear"
-  _check(op, x, weight, bias)
-  impl = dispatch.resolve(op, implementation, _IMPLEMENTATIONS, _PREFERENCE)
-  interpret = impl == "pallas" and not dispatch.on_gpu()
+  _check(RECOMPUTE_LINEAR.name, x, weight, bias)
+  cfg = base.Config(**RECOMPUTE_LINEAR.backend(implementation))
   with jax.named_scope("jaxfuse.recompute_linear"):
-    return _recompute_linear(x, weight, bias, impl, interpret)
+    return _recompute_linear(x, weight, bias, cfg)
 
 
-def _forward(x, weight, bias, impl, interpret):
-  if impl == "xla":
-    return linear_reference(x, weight, bias)
+def _xla_backward(x, weight, bias, g):
+  """linear_reference's gradients, with the weight gradient in the fast layout.
+
+  The layer's output is not needed: a linear layer's gradients are products of its inputs and
+  ``g``.
+  """
   x2 = x.reshape(-1, x.shape[-1])
-  y = pallas_linear.matmul(x2, weight, bias=bias, interpret=interpret, name="linear_fwd")
+  g2 = g.reshape(-1, g.shape[-1])
+  precision = _precision(x.dtype)
+  dx = jax.lax.dot_general(g, weight, (((g.ndim - 1,), (0,)), ((), ())), precision=precision,
+                           preferred_element_type=jnp.float32).astype(x.dtype)
+  dw = _rows_product(g2, x2, weight.dtype, precision)
+  db = None if bias is None else jnp.sum(g2, axis=0, dtype=jnp.float32).astype(bias.dtype)
+  return dx, dw, db
+
+
+def _forward(x, weight, bias, cfg):
+  if cfg.impl == "xla":
+    return linear_reference(x, weight, bias)
+  kernel = functools.partial(pallas_linear.matmul, interpret=cfg.interpret, name="linear_fwd")
+  y = base.kernel_call(lambda x2, w, b: kernel(x2, w, bias=b), linear_reference,
+                       x.reshape(-1, x.shape[-1]), weight, bias)
   return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def _backward(x, weight, bias, g, impl, interpret):
-  x2 = x.reshape(-1, x.shape[-1])
-  g2 = g.reshape(-1, g.shape[-1])
-  if impl == "xla":
-    # linear_reference's gradients (its output is not needed: a linear layer's gradients are
-    # products of its inputs and g), with the weight gradient in the fast layout.
-    precision = _precision(x.dtype)
-    dx = jax.lax.dot_general(g, weight, (((g.ndim - 1,), (0,)), ((), ())), precision=precision,
-                             preferred_element_type=jnp.float32).astype(x.dtype)
-    dw = _rows_product(g2, x2, weight.dtype, precision)
-    db = None if bias is None else jnp.sum(g2, axis=0, dtype=jnp.float32).astype(bias.dtype)
-    return dx, dw, db
+def _pallas_backward(x2, weight, bias, g2, interpret):
   dx = pallas_linear.matmul(g2, weight, a_layout="ik", b_layout="kj", interpret=interpret,
                             name="linear_dx")
   dw = pallas_linear.matmul(g2, x2, a_layout="ki", b_layout="kj", out_dtype=weight.dtype,
@@ -217,22 +219,32 @@ def _backward(x, weight, bias, g, impl, interpret):
   if bias is not None:
     db = pallas_linear.sum_rows(g2, out_dtype=bias.dtype, interpret=interpret,
                                 name="linear_dbias")
+  return dx, dw, db
+
+
+def _backward(x, weight, bias, g, cfg):
+  if cfg.impl == "xla":
+    return _xla_backward(x, weight, bias, g)
+  kernel = functools.partial(_pallas_backward, interpret=cfg.interpret)
+  dx, dw, db = base.kernel_call(kernel, _xla_backward, x.reshape(-1, x.shape[-1]), weight,
+                                bias, g.reshape(-1, g.shape[-1]))
   return dx.reshape(x.shape), dw, db
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _recompute_linear(x, weight, bias, impl, interpret):
-  return _forward(x, weight, bias, impl, interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _recompute_linear(x, weight, bias, cfg):
+  return _forward(x, weight, bias, cfg)
 
 
-def _recompute_linear_fwd(x, weight, bias, impl, interpret):
-  return _forward(x, weight, bias, impl, interpret), (x, weight, bias)
+def _recompute_linear_fwd(x, weight, bias, cfg):
+  # Residuals: the inputs only; the layer is recomputed from them in the backward.
+  return _forward(x, weight, bias, cfg), (x, weight, bias)
 
 
-def _recompute_linear_bwd(impl, interpret, residuals, g):
+def _recompute_linear_bwd(cfg, residuals, g):
   # The barrier keeps XLA from reusing forward values in place of the recomputation.
   x, weight, bias = jax.lax.optimization_barrier(residuals)
-  return _backward(x, weight, bias, g, impl, interpret)
+  return _backward(x, weight, bias, g, cfg)
 
 
-_recompute_linear.defvjp(_recompute_linear_fwd, _recompute_linear_bwd, optimize_remat=True)
+_recompute_linear.defvjp(_recompute_linear_fwd, _recompute_linear_bwd)

@@ -7,6 +7,7 @@ array kept between the passes. Low-precision inputs are computed in float32 and 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import numbers
 
@@ -14,30 +15,31 @@ import jax
 import jax.numpy as jnp
 
 from jaxfuse.kernels.pallas import softmax as pallas_softmax
-from jaxfuse.ops import checks, dispatch
+from jaxfuse.ops import base, checks
 
-_IMPLEMENTATIONS = ("pallas", "xla")
-_PREFERENCE = {"gpu": ("pallas", "xla"), "cpu": ("xla",)}
+SOFTMAX = base.Op("softmax", ("pallas", "xla"), base.KERNEL_GPU_ORDER)
 
 
-def _compute_dtype(dtype):
-  return jnp.promote_types(dtype, jnp.float32)
+# Reference --------------------------------------------------------------------------------------
 
 
 def softmax_reference(x: jax.Array, *, axis: int = -1, scale: float = 1.0,
                       mask: jax.Array | None = None) -> jax.Array:
   """Plain-jnp ``softmax(scale * x)`` over ``axis`` in float32; masked-out rows give zeros."""
-  z = x.astype(_compute_dtype(x.dtype))
+  z = x.astype(base.compute_dtype(x.dtype))
   if scale != 1.0:
     z = z * scale
   if mask is not None:
     z = jnp.where(mask, z, -jnp.inf)
   # A row with no kept entry has max -inf: the floor keeps exp(z - m) at 0 there (not NaN), and
   # its sum of 0 is lifted to 1. Any other row has a sum >= 1 (its max contributes exp(0)).
-  m = jnp.maximum(jnp.max(z, axis=axis, keepdims=True), jnp.finfo(z.dtype).min)
+  m = jnp.max(z, axis=axis, keepdims=True, initial=jnp.finfo(z.dtype).min)
   e = jnp.exp(z - m)
   l = jnp.sum(e, axis=axis, keepdims=True)
   return (e * (1.0 / jnp.maximum(l, 1.0))).astype(x.dtype)
+
+
+# Checks -----------------------------------------------------------------------------------------
 
 
 def _check(op, x, axis, scale, mask):
@@ -62,6 +64,15 @@ def _check(op, x, axis, scale, mask):
                        f"shape {tuple(mask.shape)}")
 
 
+@dataclasses.dataclass(frozen=True)
+class _Config(base.Config):
+  axis: int
+  scale: float
+
+
+# The op -----------------------------------------------------------------------------------------
+
+
 def softmax(x: jax.Array, *, axis: int = -1, scale: float = 1.0, mask: jax.Array | None = None,
             implementation: str | None = None) -> jax.Array:
   """``softmax(scale * x)`` along ``axis``, keeping only the output for the backward pass.
@@ -73,10 +84,11 @@ def softmax(x: jax.Array, *, axis: int = -1, scale: float = 1.0, mask: jax.Array
     mask: an optional boolean array broadcastable to ``x``; True keeps an entry, False drops it
       (its probability is 0). A row with no kept entry (or whose entries are all ``-inf``) comes
       out as zeros, and its gradient as zeros. ``torch.softmax`` returns NaN for such a row.
-    implementation: ``None`` (the fastest here), ``"pallas"`` or ``"xla"``.
+    implementation: ``None`` (Pallas on GPUs, XLA elsewhere), ``"pallas"`` or ``"xla"``.
 
   Returns:
-    An array like ``x`` whose entries along ``axis`` are non-negative and sum to 1.
+    An array like ``x`` whose entries along ``axis`` are non-negative and sum to 1. An empty
+    ``x`` (a zero-size axis) gives an empty result.
 
   Example:
     >>> import jax.numpy as jnp
@@ -87,13 +99,15 @@ def softmax(x: jax.Array, *, axis: int = -1, scale: float = 1.0, mask: jax.Array
     >>> softmax(jnp.array([1.0, 2.0, 3.0]), mask=jnp.array([True, False, False]))
     Array([1., 0., 0.], dtype=float32)
   """
-  op = "softmax"
-  _check(op, x, axis, scale, mask)
-  impl = dispatch.resolve(op, implementation, _IMPLEMENTATIONS, _PREFERENCE)
-  interpret = impl == "pallas" and not dispatch.on_gpu()
-  axis = axis % x.ndim
+  _check(SOFTMAX.name, x, axis, scale, mask)
+  cfg = _Config(**SOFTMAX.backend(implementation), axis=axis % x.ndim, scale=float(scale))
+  if x.size == 0:  # nothing to normalize; the result (and its gradient) is empty
+    return jnp.zeros_like(x)
   with jax.named_scope("jaxfuse.softmax"):
-    return _softmax(x, mask, axis, float(scale), impl, interpret)
+    return _softmax(x, mask, cfg)
+
+
+# Forward and backward ---------------------------------------------------------------------------
 
 
 def _to_rows(x, axis):
@@ -103,42 +117,57 @@ def _to_rows(x, axis):
   return moved.reshape(-1, shape[-1]), lambda y: jnp.moveaxis(y.reshape(shape), -1, axis)
 
 
-def _forward(x, mask, axis, scale, impl, interpret):
-  if impl == "pallas":
-    rows, undo = _to_rows(x, axis)
-    mask_rows = None
-    if mask is not None:
-      mask_rows, _ = _to_rows(jnp.broadcast_to(mask, x.shape), axis)
-    return undo(pallas_softmax.softmax_forward(rows, mask_rows, scale=scale,
-                                               interpret=interpret))
-  return softmax_reference(x, axis=axis, scale=scale, mask=mask)
-
-
-def _backward(y, g, axis, scale, impl, interpret):
-  if impl == "pallas":
-    y_rows, undo = _to_rows(y, axis)
-    g_rows, _ = _to_rows(g, axis)
-    return undo(pallas_softmax.softmax_backward(y_rows, g_rows, scale=scale,
-                                                interpret=interpret))
-  cd = _compute_dtype(y.dtype)
+def _xla_backward(y, g, axis, scale):
+  cd = base.compute_dtype(y.dtype)
   yc, gc = y.astype(cd), g.astype(cd)
   dot = jnp.sum(yc * gc, axis=axis, keepdims=True)
   return (scale * yc * (gc - dot)).astype(y.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def _softmax(x, mask, axis, scale, impl, interpret):
-  return _forward(x, mask, axis, scale, impl, interpret)
+def _forward(x, mask, cfg):
+  if cfg.impl == "pallas":
+    rows, undo = _to_rows(x, cfg.axis)
+    mask_rows = None
+    if mask is not None:
+      mask_rows, _ = _to_rows(jnp.broadcast_to(mask, x.shape), cfg.axis)
+    kernel = functools.partial(pallas_softmax.softmax_forward, scale=cfg.scale,
+                               interpret=cfg.interpret)
+    twin = functools.partial(_rows_reference, scale=cfg.scale)
+    return undo(base.kernel_call(kernel, twin, rows, mask_rows))
+  return softmax_reference(x, axis=cfg.axis, scale=cfg.scale, mask=mask)
 
 
-def _softmax_fwd(x, mask, axis, scale, impl, interpret):
-  y = _forward(x, mask, axis, scale, impl, interpret)
+def _rows_reference(rows, mask_rows, scale):
+  return softmax_reference(rows, axis=-1, scale=scale, mask=mask_rows)
+
+
+def _backward(y, g, cfg):
+  if cfg.impl == "pallas":
+    y_rows, undo = _to_rows(y, cfg.axis)
+    g_rows, _ = _to_rows(g, cfg.axis)
+    kernel = functools.partial(pallas_softmax.softmax_backward, scale=cfg.scale,
+                               interpret=cfg.interpret)
+    twin = functools.partial(_xla_backward, axis=-1, scale=cfg.scale)
+    return undo(base.kernel_call(kernel, twin, y_rows, g_rows))
+  return _xla_backward(y, g, cfg.axis, cfg.scale)
+
+
+# The custom VJP ---------------------------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _softmax(x, mask, cfg):
+  return _forward(x, mask, cfg)
+
+
+def _softmax_fwd(x, mask, cfg):
+  y = _forward(x, mask, cfg)
   # The one residual: the output. Masked entries of y are 0, so the backward needs no mask.
   return y, y
 
 
-def _softmax_bwd(axis, scale, impl, interpret, y, g):
-  return _backward(y, g, axis, scale, impl, interpret), None
+def _softmax_bwd(cfg, y, g):
+  return _backward(y, g, cfg), None
 
 
-_softmax.defvjp(_softmax_fwd, _softmax_bwd, optimize_remat=True)
+_softmax.defvjp(_softmax_fwd, _softmax_bwd)

@@ -1,0 +1,252 @@
+"""Fused attention with recomputation: ``softmax(q kᵀ · scale + bias) v`` in O(N) memory.
+
+The forward never materializes the ``[Tq, Tk]`` score matrix. It walks the keys in tiles and
+keeps a running row maximum, row sum and output (the online softmax), and it saves only the
+output ``o`` and the row log-sum-exp ``lse`` for the backward (``q``, ``k`` and ``v`` are inputs
+and exist anyway). The backward recomputes the probabilities tile by tile from ``lse``:
+``p = exp(s - lse)``, ``ds = p * (do vᵀ - rowsum(do * o))``, then ``dq = ds k · scale``,
+``dk = dsᵀ q · scale``, ``dv = pᵀ do``. Tiles that the causal mask excludes are skipped, not
+masked.
+
+Two implementations share that contract:
+
+- ``"pallas"``: FlashAttention-style kernels for GPUs (:mod:`jaxfuse.kernels.pallas.
+  flash_attention`): one forward kernel, one ``dq`` kernel and one ``dk/dv`` kernel, plus a
+  ``dbias`` kernel when a bias is given. Tile sizes come from :mod:`.tuning`.
+- ``"xla"``: the same algorithm in plain ``jax.lax`` for CPUs (:mod:`.xla`).
+
+Layout is ``[batch, seq, heads, head_dim]``, as in :func:`jax.nn.dot_product_attention` and
+flax. Grouped-query attention: ``k`` and ``v`` may have fewer heads than ``q`` (their number
+must divide ``q``'s); query head ``h`` uses kv head ``h // (q_heads // kv_heads)``, as torch's
+``scaled_dot_product_attention(..., enable_gqa=True)`` does.
+
+Masks (all optional, combined with AND):
+
+- ``causal``: query ``i`` sees keys ``j <= i`` (aligned at the top-left corner, as in torch's
+  ``is_causal=True`` when the lengths differ).
+- ``segment_ids``: ``[batch, seq]`` integers when ``q`` and ``k`` have one length, or a pair
+  ``(q_segment_ids, kv_segment_ids)``; a query sees the keys of its own segment.
+- ``kv_lengths``: ``[batch]`` integers; keys at positions ``>= kv_lengths[b]`` are padding.
+- ``bias``: a float array added to the scaled scores, of shape
+  ``[batch | 1, q_heads | 1, Tq | 1, Tk | 1]``; it is differentiable.
+
+A query row that sees no key at all gets a zero output and zero gradients (not NaN).
+
+Second-order gradients (``grad`` of ``grad``, Hessian-vector products) differentiate the
+backward pass; both implementations take that derivative from :func:`attention_reference`,
+which holds the ``[Tq, Tk]`` scores: second order costs O(N²) memory. Forward mode on the op
+itself (``jax.jvp(attention)``) is not supported: JAX does not run forward mode through a
+``custom_vjp``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxfuse.kernels.pallas import flash_attention as pallas_attention
+from jaxfuse.kernels.pallas.flash_attention import BlockSizes
+from jaxfuse.ops import base
+from jaxfuse.ops.flash_attention import arguments, reference, tuning, xla
+
+ATTENTION = base.Op("attention", ("pallas", "xla"), base.KERNEL_GPU_ORDER)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config(base.Config):
+  causal: bool
+  scale: float
+  blocks: BlockSizes | None   # the Pallas kernels' tiles
+  xla_block: int              # the XLA path's tile
+
+
+# The op -----------------------------------------------------------------------------------------
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
+              scale: float | None = None, segment_ids=None, kv_lengths: jax.Array | None = None,
+              bias: jax.Array | None = None, implementation: str | None = None) -> jax.Array:
+  """Scaled dot-product attention that saves only ``o`` and the row log-sum-exp.
+
+  Args:
+    q: queries ``[batch, q_len, heads, head_dim]``, float32, bfloat16 or float16.
+    k: keys ``[batch, kv_len, kv_heads, head_dim]``; ``kv_heads`` divides ``heads``.
+    v: values, the shape and dtype of ``k``.
+    causal: query ``i`` sees keys ``j <= i`` (top-left aligned when the lengths differ).
+    scale: multiplies ``q kᵀ``; default ``1 / sqrt(head_dim)``.
+    segment_ids: ``[batch, seq]`` integer ids (one length for q and kv) or a pair
+      ``(q_segment_ids [batch, q_len], kv_segment_ids [batch, kv_len])``: queries see only
+      keys with the same id.
+    kv_lengths: ``[batch]`` integers: keys at positions ``>= kv_lengths[b]`` are padding.
+    bias: added to the scaled scores; shape ``[batch | 1, heads | 1, q_len | 1, kv_len | 1]``,
+      any float dtype. Differentiable.
+    implementation: ``None`` (the fastest here: Pallas on GPUs, XLA on CPUs), ``"pallas"`` or
+      ``"xla"``.
+
+  Returns:
+    ``[batch, q_len, heads, head_dim]`` in the dtype of ``q``. Rows that see no key are zero.
+    Low-precision inputs are multiplied with float32 accumulation and the softmax runs in
+    float32.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jaxfuse.ops import attention
+    >>> q = k = v = jax.random.normal(jax.random.key(0), (2, 77, 4, 64))
+    >>> o = attention(q, k, v, causal=True)
+    >>> o.shape
+    (2, 77, 4, 64)
+    >>> g = jax.grad(lambda q: attention(q, k, v, causal=True).sum())(q)
+  """
+  op = ATTENTION.name
+  arguments.check(op, q, k, v, segment_ids, kv_lengths, bias)
+  if not isinstance(causal, bool):
+    raise TypeError(f"{op}: causal must be a bool, got {causal!r}")
+  backend = ATTENTION.backend(implementation)
+  b, tq, hq, d = q.shape
+  if implementation is None and backend["impl"] == "pallas" and d > pallas_attention.MAX_HEAD_DIM:
+    backend = {"impl": "xla", "interpret": False}  # the kernels' tiles would not fit
+  tk = k.shape[1]
+  scale = arguments.default_scale(scale, d)
+  segments = arguments.segments(segment_ids, tq, tk)
+  if math.prod(q.shape) == 0 or tk == 0:  # Nothing to attend to: zeros (rows without keys).
+    return jnp.zeros(q.shape, q.dtype)
+  q_seg, kv_seg = segments if segments is not None else (None, None)
+  if kv_lengths is not None:
+    kv_lengths = kv_lengths.astype(jnp.int32)
+  if bias is not None:
+    bias = arguments.expand_bias(bias, tq, tk)
+  pallas = backend["impl"] == "pallas"
+  blocks = (tuning.block_sizes_for(q, k, causal=causal, has_bias=bias is not None)
+            if pallas else None)
+  cfg = Config(**backend, causal=causal, scale=scale, blocks=blocks,
+               xla_block=0 if pallas else xla.xla_block_size(tq, tk))
+  with jax.named_scope(f"jaxfuse.attention[{cfg.impl}]"):
+    return attention_vjp(q, k, v, q_seg, kv_seg, kv_lengths, bias, cfg)
+
+
+# Forward and backward ---------------------------------------------------------------------------
+#
+# Every implementation's kernels are differentiated (for second order only) as the reference:
+# the XLA path's loops have data-dependent bounds, which reverse mode cannot differentiate.
+
+
+def _reference_backward(q, k, v, q_seg, kv_seg, kv_lengths, bias, o, lse, do, *, cfg):
+  """``(dq, dk, dv, dbias)`` by autodiff of the reference (``o`` and ``lse`` are recomputed)."""
+  del o, lse
+  segments = None if q_seg is None else (q_seg, kv_seg)
+
+  def forward(q, k, v, bias):
+    return reference._attend(q, k, v, segments, kv_lengths, bias, causal=cfg.causal,
+                             scale=cfg.scale)[0]
+
+  _, vjp = jax.vjp(forward, q, k, v, bias)
+  return vjp(do)
+
+
+def _forward(q, k, v, q_seg, kv_seg, kv_lengths, bias, cfg, with_lse=True):
+  twin = functools.partial(reference.forward_with_lse, causal=cfg.causal, scale=cfg.scale,
+                           base2=cfg.impl == "pallas")
+  if cfg.impl == "pallas":
+    kernel = functools.partial(pallas_attention.forward, causal=cfg.causal, scale=cfg.scale,
+                               blocks=cfg.blocks, interpret=cfg.interpret)
+    if not with_lse:
+      output_only = functools.partial(kernel, with_lse=False)
+      return base.kernel_call(lambda *a: output_only(*a)[0], lambda *a: twin(*a)[0], q, k, v,
+                              q_seg, kv_seg, kv_lengths, bias), None
+  else:
+    kernel = functools.partial(xla.forward, cfg=cfg)
+  return base.kernel_call(kernel, twin, q, k, v, q_seg, kv_seg, kv_lengths, bias)
+
+
+def _backward(q, k, v, q_seg, kv_seg, kv_lengths, bias, o, lse, do, cfg):
+  if cfg.impl == "pallas":
+    kernel = functools.partial(pallas_attention.backward, causal=cfg.causal, scale=cfg.scale,
+                               blocks=cfg.blocks, interpret=cfg.interpret)
+  else:
+    kernel = functools.partial(xla.backward, cfg=cfg)
+  twin = functools.partial(_reference_backward, cfg=cfg)
+  return base.kernel_call(kernel, twin, q, k, v, q_seg, kv_seg, kv_lengths, bias, o, lse, do)
+
+
+# The custom VJP ---------------------------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def attention_vjp(q, k, v, q_seg, kv_seg, kv_lengths, bias, cfg):
+  """The differentiable core of :func:`attention`, on checked and normalized arguments."""
+  # The primal alone: the output, without the log-sum-exp.
+  return _forward(q, k, v, q_seg, kv_seg, kv_lengths, bias, cfg, with_lse=False)[0]
+
+
+def _attention_fwd(q, k, v, q_seg, kv_seg, kv_lengths, bias, cfg):
+  o, lse = _forward(q, k, v, q_seg, kv_seg, kv_lengths, bias, cfg)
+  # Residuals: the inputs (free), the output and one float32 per query row and head.
+  return o, (q, k, v, q_seg, kv_seg, kv_lengths, bias, o, lse)
+
+
+def _attention_bwd(cfg, residuals, do):
+  dq, dk, dv, dbias = _backward(*residuals, do, cfg)
+  return dq, dk, dv, None, None, None, dbias
+
+
+attention_vjp.defvjp(_attention_fwd, _attention_bwd)
+
+
+# A jax.nn-style entry point --------------------------------------------------------------------
+
+
+def dot_product_attention(query: jax.Array, key: jax.Array, value: jax.Array,
+                          bias: jax.Array | None = None, mask: jax.Array | None = None, *,
+                          scale: float | None = None, is_causal: bool = False,
+                          segment_ids=None, kv_lengths: jax.Array | None = None,
+                          implementation: str | None = None) -> jax.Array:
+  """:func:`attention` with the argument names of :func:`jax.nn.dot_product_attention`.
+
+  ``query`` is ``[batch..., q_len, heads, head_dim]`` with any number of batch axes (``key``
+  and ``value`` share them). A boolean ``mask`` (True = attend), broadcastable to
+  ``[batch..., heads, q_len, kv_len]``, becomes a ``-inf`` bias, which costs a
+  ``[q_len, kv_len]`` array per head that it varies over; prefer ``is_causal``,
+  ``segment_ids`` and ``kv_lengths``, which cost nothing. Unlike jax.nn, a row that every
+  mask excludes gives zeros.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jaxfuse.ops import dot_product_attention
+    >>> x = jax.random.normal(jax.random.key(0), (2, 3, 10, 4, 16))
+    >>> dot_product_attention(x, x, x, is_causal=True).shape
+    (2, 3, 10, 4, 16)
+  """
+  batch = query.shape[:-3]
+  if key.shape[:-3] != batch or value.shape[:-3] != batch:
+    raise ValueError(f"dot_product_attention: query, key and value must share their batch "
+                     f"axes, got {query.shape}, {key.shape} and {value.shape}")
+  n = math.prod(batch)
+
+  def flat(x):
+    return x.reshape((n,) + x.shape[-3:])
+
+  if mask is not None:
+    mask_bias = jnp.where(mask, 0.0, -jnp.inf).astype(jnp.float32)
+    bias = mask_bias if bias is None else bias.astype(jnp.float32) + mask_bias
+  if bias is not None:
+    full = jnp.broadcast_shapes(bias.shape, batch + (1, 1, 1))
+    bias = jnp.broadcast_to(bias, full)
+    per_batch = any(s != 1 for s in bias.shape[:-3])
+    if per_batch:
+      bias = jnp.broadcast_to(bias, batch + bias.shape[-3:])
+    bias = bias.reshape((n if per_batch else 1,) + bias.shape[-3:])
+  if segment_ids is not None:
+    if isinstance(segment_ids, (tuple, list)):
+      segment_ids = tuple(s.reshape(n, -1) for s in segment_ids)
+    else:
+      segment_ids = segment_ids.reshape(n, -1)
+  if kv_lengths is not None:
+    kv_lengths = jnp.broadcast_to(kv_lengths, batch).reshape(n)
+  out = attention(flat(query), flat(key), flat(value), causal=is_causal, scale=scale,
+                  segment_ids=segment_ids, kv_lengths=kv_lengths, bias=bias,
+                  implementation=implementation)
+  return out.reshape(query.shape)

@@ -1,0 +1,52 @@
+"""Edge cases of the ops: empty arrays, bad names, missing optional dependencies. Each gets the
+right answer or an error that names the op and the argument.
+
+(linear_cross_entropy's and the normalizations' edge cases are in their own test files.)
+"""
+
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxfuse import metrics, ops
+
+
+@pytest.mark.parametrize("op", [
+    lambda fn: ops.add_act(jnp.ones(3), jnp.ones(3), fn),
+    lambda fn: ops.add_act_unfused(jnp.ones(3), jnp.ones(3), fn),
+    lambda fn: ops.bias_act(jnp.ones((2, 3)), jnp.ones(3), fn),
+    lambda fn: ops.glu(jnp.ones(3), jnp.ones(3), fn),
+    lambda fn: ops.glu(jnp.ones(4), fn),
+], ids=["add_act", "add_act_unfused", "bias_act", "glu", "glu_packed"])
+def test_a_bad_activation_name_names_the_op(op):
+  with pytest.raises(ValueError, match=r"^(add_act|add_act_unfused|bias_act|glu): (fn|act) "
+                     r"must be a callable or one of .*got 'geluu'"):
+    op("geluu")
+
+
+@pytest.mark.parametrize("shape,axis", [((4, 0), -1), ((0, 5), -1), ((4, 0), 0), ((0,), 0)])
+def test_softmax_of_an_empty_array(shape, axis):
+  x = jnp.ones(shape)
+  y, grad = jax.value_and_grad(lambda x: ops.softmax(x, axis=axis).sum())(x)
+  assert float(y) == 0.0 and grad.shape == shape
+  assert ops.softmax(x, axis=axis).shape == shape
+
+
+@pytest.mark.parametrize("shape", [(0, 5, 2, 8), (2, 0, 2, 8), (2, 5, 2, 0)])
+def test_attention_with_an_empty_axis_and_its_gradient(shape):
+  q = jnp.ones(shape)
+  kv = jnp.ones((shape[0], 3, 2, shape[3]))
+  o = ops.attention(q, kv, kv, causal=True)
+  assert o.shape == shape and not np.any(np.asarray(o))
+  grads = jax.grad(lambda q, k, v: ops.attention(q, k, v).sum(), argnums=(0, 1, 2))(q, kv, kv)
+  assert [g.shape for g in grads] == [q.shape, kv.shape, kv.shape]
+  assert all(not np.any(np.asarray(g)) for g in grads)
+
+
+def test_torch_residual_bytes_without_torch_says_what_to_install(monkeypatch):
+  monkeypatch.setitem(sys.modules, "torch", None)   # makes `import torch` raise ImportError
+  with pytest.raises(ImportError, match=r"needs PyTorch.*jaxfuse\[test\]"):
+    metrics.torch_residual_bytes(lambda: None)
