@@ -97,6 +97,14 @@ class LayerNorm(_LastAxisNorm):
     x, scale, bias = self.promote_dtype((x, scale, bias), dtype=self.dtype)
     return ops.layer_norm(x, scale, bias, eps=self.epsilon, implementation=self.implementation)
 
+  def add(self, x: jax.Array, residual: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(layer_norm(x + residual), x + residual)`` in one kernel (a pre-norm block's step)."""
+    scale = self.scale[...] if self.scale is not None else None
+    bias = self.bias[...] if self.bias is not None else None
+    x, residual, scale, bias = self.promote_dtype((x, residual, scale, bias), dtype=self.dtype)
+    return ops.add_layer_norm(x, residual, scale, bias, eps=self.epsilon,
+                              implementation=self.implementation)
+
 
 class RMSNorm(_LastAxisNorm):
   """RMS normalization over the last axis (as ``flax.nnx.RMSNorm``).
@@ -133,3 +141,19 @@ class RMSNorm(_LastAxisNorm):
     scale = self.scale[...] if self.scale is not None else None
     x, scale = self.promote_dtype((x, scale), dtype=self.dtype)
     return ops.rms_norm(x, scale, eps=self.epsilon, implementation=self.implementation)
+
+  def add(self, x: jax.Array, residual: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(rms_norm(x + residual), x + residual)`` in one kernel (a pre-norm block's step).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> from jaxfuse.nnx import RMSNorm
+      >>> normed, stream = RMSNorm(2, rngs=nnx.Rngs(0)).add(jnp.ones((1, 2)), jnp.ones((1, 2)))
+      >>> stream
+      Array([[2., 2.]], dtype=float32)
+    """
+    scale = self.scale[...] if self.scale is not None else None
+    x, residual, scale = self.promote_dtype((x, residual, scale), dtype=self.dtype)
+    return ops.add_rms_norm(x, residual, scale, eps=self.epsilon,
+                            implementation=self.implementation)

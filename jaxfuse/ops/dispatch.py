@@ -1,7 +1,8 @@
 """Choosing an implementation for an op: ``implementation=None | "pallas" | "triton" | "xla"``.
 
 Every op declares which implementations it has and, per platform, the order in which
-``implementation=None`` tries them. An implementation asked for by name that cannot run here
+``implementation=None`` tries them (:class:`jaxfuse.ops.base.Op`; on CPUs always XLA, on GPUs
+by one rule: XLA first for elementwise ops and matmuls, the kernels first for the rest). An implementation asked for by name that cannot run here
 raises :class:`ImplementationUnavailableError`, naming the ones that can; nothing falls back
 silently.
 
@@ -131,7 +132,8 @@ def resolve(op: str, implementation: str | None, supported: Sequence[str],
     implementation: what the caller asked for; ``None`` picks the first runnable entry of
       ``preference[platform()]`` (default: ``supported`` in order, XLA last).
     supported: the implementations the op has.
-    preference: per platform, the order ``None`` tries (fastest first, as measured).
+    preference: per platform, the order ``None`` tries (see :mod:`jaxfuse.ops.base` for the
+      rule the ops follow).
 
   Raises:
     ValueError: ``implementation`` is not a known name or the op does not have it.

@@ -10,14 +10,21 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxfuse.ops import base as op_base, checks
 
-def rotary_embedding(x: jax.Array, positions: jax.Array, *, base: float = 10000.0) -> jax.Array:
+# XLA only: the rotation is elementwise, and XLA fuses it into the projection that feeds it.
+ROTARY_EMBEDDING = op_base.Op("rotary_embedding", ("xla",), op_base.ELEMENTWISE_GPU_ORDER)
+
+
+def rotary_embedding(x: jax.Array, positions: jax.Array, *, base: float = 10000.0,
+                     implementation: str | None = None) -> jax.Array:
   """Rotates query or key vectors by their positions.
 
   Args:
     x: ``[batch..., seq, heads, head_dim]`` with an even ``head_dim``.
     positions: integer or float positions, ``[seq]`` or ``[batch..., seq]``.
     base: the wavelength base (10000 in RoPE's paper).
+    implementation: ``None`` or ``"xla"`` (the only one).
 
   Returns:
     ``x`` rotated, in its dtype (computed in float32).
@@ -29,10 +36,16 @@ def rotary_embedding(x: jax.Array, positions: jax.Array, *, base: float = 10000.
     >>> rotary_embedding(x, jnp.arange(3)).shape
     (1, 3, 2, 4)
   """
+  op = ROTARY_EMBEDDING.name
+  ROTARY_EMBEDDING.resolve(implementation)
+  checks.floating(op, "x", x)
+  if x.ndim < 3:
+    raise ValueError(f"{op}: x must be [batch..., seq, heads, head_dim], got shape {x.shape}")
   d = x.shape[-1]
   if d % 2:
-    raise ValueError(f"rotary_embedding: x must have an even head dim, got shape {x.shape}")
-  if positions.shape[-1] != x.shape[-3]:
+    raise ValueError(f"{op}: x must have an even head dim, got shape {x.shape}")
+  positions = checks.as_array(positions)
+  if positions.ndim < 1 or positions.shape[-1] != x.shape[-3]:
     raise ValueError(f"rotary_embedding: positions must cover the {x.shape[-3]} positions of x "
                      f"(axis -3), got shape {positions.shape}")
   half = d // 2

@@ -82,3 +82,34 @@ def expand_bias(bias, tq, tk):
   shape = (bias.shape[0], bias.shape[1], tq, tk)
   return bias if bias.shape == shape else jnp.broadcast_to(bias, shape)
 
+
+
+CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
+
+
+def causal_alignment(op, causal) -> str | None:
+  """``causal`` as None (no causal mask), ``"top_left"`` (``True``) or ``"bottom_right"``."""
+  if causal is False or causal is None:
+    return None
+  if causal is True:
+    return "top_left"
+  if isinstance(causal, str) and causal in CAUSAL_ALIGNMENTS:
+    return causal
+  raise ValueError(f"{op}: causal must be a bool, 'top_left' or 'bottom_right', got {causal!r}")
+
+
+def check_window_and_softcap(op, sliding_window, logit_softcap, causal) -> None:
+  """A sliding window is a positive int that needs a causal mask; a soft-cap a positive float."""
+  if sliding_window is not None:
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, numbers.Integral) \
+        or sliding_window < 1:
+      raise ValueError(f"{op}: sliding_window must be None or a positive int, got "
+                       f"{sliding_window!r}")
+    if causal is None:
+      raise ValueError(f"{op}: sliding_window needs a causal mask (causal=True or "
+                       f"'bottom_right')")
+  if logit_softcap is not None and (isinstance(logit_softcap, bool)
+                                    or not isinstance(logit_softcap, numbers.Real)
+                                    or not logit_softcap > 0):
+    raise ValueError(f"{op}: logit_softcap must be None or a positive float, got "
+                     f"{logit_softcap!r}")

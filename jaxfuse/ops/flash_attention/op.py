@@ -22,13 +22,22 @@ must divide ``q``'s); query head ``h`` uses kv head ``h // (q_heads // kv_heads)
 
 Masks (all optional, combined with AND):
 
-- ``causal``: query ``i`` sees keys ``j <= i`` (aligned at the top-left corner, as in torch's
-  ``is_causal=True`` when the lengths differ).
+- ``causal``: query ``i`` sees keys ``j <= i + offset``; ``True`` (or ``"top_left"``) aligns
+  at the top-left corner (offset 0, as torch's ``is_causal=True`` when the lengths differ),
+  ``"bottom_right"`` at the bottom-right (offset ``kv_len - q_len``, with ``kv_len`` the valid
+  keys: ``kv_lengths[b]`` when given), as FlashAttention's causal and as decoding with a cache
+  needs: the queries are the last ``q_len`` positions of the sequence.
+- ``sliding_window``: with a causal mask, query ``i`` sees only the ``W`` keys
+  ``i + offset - W < j <= i + offset`` (Mistral). Key tiles wholly outside the window are
+  skipped, not masked.
 - ``segment_ids``: ``[batch, seq]`` integers when ``q`` and ``k`` have one length, or a pair
   ``(q_segment_ids, kv_segment_ids)``; a query sees the keys of its own segment.
 - ``kv_lengths``: ``[batch]`` integers; keys at positions ``>= kv_lengths[b]`` are padding.
 - ``bias``: a float array added to the scaled scores, of shape
   ``[batch | 1, q_heads | 1, Tq | 1, Tk | 1]``; it is differentiable.
+
+``logit_softcap=c`` replaces the scaled scores ``s`` by ``c · tanh(s / c)`` before the bias and
+the masks (Gemma 2).
 
 A query row that sees no key at all gets a zero output and zero gradients (not NaN).
 
@@ -58,25 +67,31 @@ ATTENTION = base.Op("attention", ("pallas", "xla"), base.KERNEL_GPU_ORDER)
 
 @dataclasses.dataclass(frozen=True)
 class Config(base.Config):
-  causal: bool
+  causal: str | None          # None, "top_left" or "bottom_right"
   scale: float
   blocks: BlockSizes | None   # the Pallas kernels' tiles
   xla_block: int              # the XLA path's tile
+  sliding_window: int | None = None
+  softcap: float | None = None
 
 
 # The op -----------------------------------------------------------------------------------------
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool | str = False,
               scale: float | None = None, segment_ids=None, kv_lengths: jax.Array | None = None,
-              bias: jax.Array | None = None, implementation: str | None = None) -> jax.Array:
+              bias: jax.Array | None = None, sliding_window: int | None = None,
+              logit_softcap: float | None = None,
+              implementation: str | None = None) -> jax.Array:
   """Scaled dot-product attention that saves only ``o`` and the row log-sum-exp.
 
   Args:
     q: queries ``[batch, q_len, heads, head_dim]``, float32, bfloat16 or float16.
     k: keys ``[batch, kv_len, kv_heads, head_dim]``; ``kv_heads`` divides ``heads``.
     v: values, the shape and dtype of ``k``.
-    causal: query ``i`` sees keys ``j <= i`` (top-left aligned when the lengths differ).
+    causal: ``False``; ``True`` or ``"top_left"``: query ``i`` sees keys ``j <= i``;
+      ``"bottom_right"``: keys ``j <= i + kv_len - q_len`` (``kv_len``: ``kv_lengths[b]`` if
+      given, else k's length).
     scale: multiplies ``q kᵀ``; default ``1 / sqrt(head_dim)``.
     segment_ids: ``[batch, seq]`` integer ids (one length for q and kv) or a pair
       ``(q_segment_ids [batch, q_len], kv_segment_ids [batch, kv_len])``: queries see only
@@ -84,6 +99,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
     kv_lengths: ``[batch]`` integers: keys at positions ``>= kv_lengths[b]`` are padding.
     bias: added to the scaled scores; shape ``[batch | 1, heads | 1, q_len | 1, kv_len | 1]``,
       any float dtype. Differentiable.
+    sliding_window: with ``causal``, each query sees at most this many keys, itself included.
+    logit_softcap: scores become ``c · tanh(scores / c)`` before the bias and the masks.
     implementation: ``None`` (the fastest here: Pallas on GPUs, XLA on CPUs), ``"pallas"`` or
       ``"xla"``.
 
@@ -103,8 +120,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
   """
   op = ATTENTION.name
   arguments.check(op, q, k, v, segment_ids, kv_lengths, bias)
-  if not isinstance(causal, bool):
-    raise TypeError(f"{op}: causal must be a bool, got {causal!r}")
+  causal = arguments.causal_alignment(op, causal)
+  arguments.check_window_and_softcap(op, sliding_window, logit_softcap, causal)
   backend = ATTENTION.backend(implementation)
   b, tq, hq, d = q.shape
   if implementation is None and backend["impl"] == "pallas" and d > pallas_attention.MAX_HEAD_DIM:
@@ -120,15 +137,26 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
   if bias is not None:
     bias = arguments.expand_bias(bias, tq, tk)
   pallas = backend["impl"] == "pallas"
-  blocks = (tuning.block_sizes_for(q, k, causal=causal, has_bias=bias is not None)
+  blocks = (tuning.block_sizes_for(q, k, causal=causal is not None, has_bias=bias is not None)
             if pallas else None)
   cfg = Config(**backend, causal=causal, scale=scale, blocks=blocks,
-               xla_block=0 if pallas else xla.xla_block_size(tq, tk))
+               xla_block=0 if pallas else xla.xla_block_size(tq, tk),
+               sliding_window=sliding_window,
+               softcap=None if logit_softcap is None else float(logit_softcap))
   with jax.named_scope(f"jaxfuse.attention[{cfg.impl}]"):
     return attention_vjp(q, k, v, q_seg, kv_seg, kv_lengths, bias, cfg)
 
 
 # Forward and backward ---------------------------------------------------------------------------
+
+
+def _pallas_causal(cfg):
+  if cfg.causal == "bottom_right" or cfg.sliding_window is not None or cfg.softcap is not None:
+    raise NotImplementedError("attention: implementation='pallas' does not take "
+                              "causal='bottom_right', sliding_window or logit_softcap yet; use "
+                              "implementation='xla'")
+  return cfg.causal is not None
+
 #
 # Every implementation's kernels are differentiated (for second order only) as the reference:
 # the XLA path's loops have data-dependent bounds, which reverse mode cannot differentiate.
@@ -141,7 +169,7 @@ def _reference_backward(q, k, v, q_seg, kv_seg, kv_lengths, bias, o, lse, do, *,
 
   def forward(q, k, v, bias):
     return reference._attend(q, k, v, segments, kv_lengths, bias, causal=cfg.causal,
-                             scale=cfg.scale)[0]
+                             scale=cfg.scale, window=cfg.sliding_window, softcap=cfg.softcap)[0]
 
   _, vjp = jax.vjp(forward, q, k, v, bias)
   return vjp(do)
@@ -149,10 +177,11 @@ def _reference_backward(q, k, v, q_seg, kv_seg, kv_lengths, bias, o, lse, do, *,
 
 def _forward(q, k, v, q_seg, kv_seg, kv_lengths, bias, cfg, with_lse=True):
   twin = functools.partial(reference.forward_with_lse, causal=cfg.causal, scale=cfg.scale,
+                           window=cfg.sliding_window, softcap=cfg.softcap,
                            base2=cfg.impl == "pallas")
   if cfg.impl == "pallas":
-    kernel = functools.partial(pallas_attention.forward, causal=cfg.causal, scale=cfg.scale,
-                               blocks=cfg.blocks, interpret=cfg.interpret)
+    kernel = functools.partial(pallas_attention.forward, causal=_pallas_causal(cfg),
+                               scale=cfg.scale, blocks=cfg.blocks, interpret=cfg.interpret)
     if not with_lse:
       output_only = functools.partial(kernel, with_lse=False)
       return base.kernel_call(lambda *a: output_only(*a)[0], lambda *a: twin(*a)[0], q, k, v,
@@ -164,8 +193,8 @@ def _forward(q, k, v, q_seg, kv_seg, kv_lengths, bias, cfg, with_lse=True):
 
 def _backward(q, k, v, q_seg, kv_seg, kv_lengths, bias, o, lse, do, cfg):
   if cfg.impl == "pallas":
-    kernel = functools.partial(pallas_attention.backward, causal=cfg.causal, scale=cfg.scale,
-                               blocks=cfg.blocks, interpret=cfg.interpret)
+    kernel = functools.partial(pallas_attention.backward, causal=_pallas_causal(cfg),
+                               scale=cfg.scale, blocks=cfg.blocks, interpret=cfg.interpret)
   else:
     kernel = functools.partial(xla.backward, cfg=cfg)
   twin = functools.partial(_reference_backward, cfg=cfg)
@@ -201,8 +230,10 @@ attention_vjp.defvjp(_attention_fwd, _attention_bwd)
 
 def dot_product_attention(query: jax.Array, key: jax.Array, value: jax.Array,
                           bias: jax.Array | None = None, mask: jax.Array | None = None, *,
-                          scale: float | None = None, is_causal: bool = False,
+                          scale: float | None = None, is_causal: bool | str = False,
                           segment_ids=None, kv_lengths: jax.Array | None = None,
+                          sliding_window: int | None = None,
+                          logit_softcap: float | None = None,
                           implementation: str | None = None) -> jax.Array:
   """:func:`attention` with the argument names of :func:`jax.nn.dot_product_attention`.
 
@@ -248,5 +279,6 @@ def dot_product_attention(query: jax.Array, key: jax.Array, value: jax.Array,
     kv_lengths = jnp.broadcast_to(kv_lengths, batch).reshape(n)
   out = attention(flat(query), flat(key), flat(value), causal=is_causal, scale=scale,
                   segment_ids=segment_ids, kv_lengths=kv_lengths, bias=bias,
+                  sliding_window=sliding_window, logit_softcap=logit_softcap,
                   implementation=implementation)
   return out.reshape(query.shape)

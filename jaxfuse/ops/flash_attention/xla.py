@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxfuse.ops import activations
+
 # Query and key tile of the XLA path. XLA:CPU runs the tile loop on one thread and splits only
 # a large matmul over its cores, so long sequences use 512-wide tiles (their [512 x 512] x 64
 # matmuls use every core) and everything else 128-wide ones (a tile's scores stay in L2).
@@ -128,11 +130,26 @@ def _prepare_units(q, k, v, q_seg, kv_seg, kv_lengths, bias, cfg, scale_q=True):
                 b, tq, tk, hq, hkv, g, d, blk)
 
 
-class _Tiles:
-  """Score-tile helpers for one unit: bias, masks and slices, in the [rows, keys] layout."""
+def _floor_div(a, b):
+  return jnp.floor_divide(a, b)
 
-  def __init__(self, un: _Units, u, causal):
-    self.un, self.causal = un, causal
+
+def _ceil_div(a, b):
+  return -jnp.floor_divide(-a, b)
+
+
+class _Tiles:
+  """Score-tile helpers for one unit: bias, masks, soft-cap and which tiles to visit, in the
+  [rows, keys] layout.
+
+  With a causal mask, query position ``r`` sees keys ``k <= r + offset`` (offset 0: top-left
+  alignment; ``kv_length - q_length``: bottom-right), and with a sliding window ``W`` also
+  ``k > r + offset - W``. Tiles that the masks exclude are skipped; tiles wholly inside are
+  visited without a mask; only tiles that a mask boundary crosses are masked.
+  """
+
+  def __init__(self, un: _Units, u, cfg):
+    self.un, self.cfg = un, cfg
     self.bi = u // un.hkv
     self.kvh = u % un.hkv
     blk, g = un.blk, un.g
@@ -150,24 +167,77 @@ class _Tiles:
     self.q_seg = un.q_seg[self.bi] if un.q_seg is not None else None
     self.kv_seg = un.kv_seg[self.bi] if un.kv_seg is not None else None
     self.kv_len = un.kv_lengths[self.bi] if un.kv_lengths is not None else None
+    self.causal = cfg.causal is not None
+    self.window = cfg.sliding_window
+    self.offset = 0
+    if cfg.causal == "bottom_right":
+      kv_len = un.tk if self.kv_len is None else jnp.minimum(self.kv_len, un.tk)
+      self.offset = kv_len - un.tq
 
   @property
   def dynamic(self):
-    return self.bias is not None or self.key_bias is not None or self.q_seg is not None
+    """Whether every tile needs the scores' adjustments (bias, padding, segments, soft-cap)."""
+    return (self.bias is not None or self.key_bias is not None or self.q_seg is not None
+            or self.cfg.softcap is not None)
 
   def key_blocks(self):
     """Key tiles that hold at least one key below kv_lengths (all of them without it)."""
     if self.kv_len is None:
       return self.un.nk
-    return jnp.minimum(self.un.nk, -(-self.kv_len // self.un.blk))
+    return jnp.minimum(self.un.nk, _ceil_div(jnp.maximum(self.kv_len, 0), self.un.blk))
 
-  def scores(self, s, i, j, diagonal, transposed=False):
-    """Adds the bias and applies the masks to the score tile of q tile i and k tile j.
+  def key_tiles(self, i):
+    """For query tile ``i``: ``(lo, a, b, hi)``, the key tiles to visit are ``[lo, hi)``;
+    ``[a, b)`` need no causal or window mask."""
+    blk, kv_blocks = self.un.blk, self.key_blocks()
+    if not self.causal:
+      return 0, 0, kv_blocks, kv_blocks
+    first, o = i * blk, self.offset
+    hi = jnp.clip(_floor_div(first + blk - 1 + o, blk) + 1, 0, kv_blocks)
+    full_hi = _floor_div(first + o + 1, blk)
+    if self.window is None:
+      lo = full_lo = 0
+    else:
+      w = self.window
+      lo = jnp.clip(_floor_div(first + o - w + 1, blk), 0, hi)
+      full_lo = _ceil_div(first + blk + o - w, blk)
+    a = jnp.clip(full_lo, lo, hi)
+    return lo, a, jnp.clip(full_hi, a, hi), hi
 
-    ``s`` is [rows, blk] (queries on rows), or [blk, rows] with ``transposed``.
+  def query_tiles(self, j):
+    """For key tile ``j``: ``(lo, a, b, hi)`` over query tiles, as :meth:`key_tiles`."""
+    blk, nq = self.un.blk, self.un.nq
+    live = j < self.key_blocks()   # a key tile wholly past kv_lengths gets no gradient
+    if not self.causal:
+      hi = jnp.where(live, nq, 0)
+      return 0, 0, hi, hi
+    first, last, o = j * blk, j * blk + blk - 1, self.offset
+    lo = jnp.clip(_floor_div(first - o, blk), 0, nq)
+    full_lo = _ceil_div(last - o, blk)
+    if self.window is None:
+      hi, full_hi = nq, nq
+    else:
+      w = self.window
+      hi = jnp.clip(_floor_div(last - o + w - 1, blk) + 1, lo, nq)
+      full_hi = _floor_div(first - o + w, blk)
+    hi = jnp.where(live, hi, lo)
+    a = jnp.clip(full_lo, lo, hi)
+    return lo, a, jnp.clip(full_hi, a, hi), hi
+
+  def scores(self, s, i, j, masked, transposed=False):
+    """The score tile of q tile i and k tile j: soft-capped, biased and masked.
+
+    ``s`` is ``q kᵀ`` (q is already scaled), [rows, blk] (queries on rows) or [blk, rows] with
+    ``transposed``. Returns ``(scores, dcap)``: ``dcap`` is the soft-cap's derivative (None
+    without one), which the backward multiplies into ``ds``.
     """
     blk, g = self.un.blk, self.un.g
     qs, ks = i * blk, j * blk
+    dcap = None
+    if self.cfg.softcap is not None:
+      cap = self.cfg.softcap
+      t = activations.tanh(s * (1.0 / cap))
+      s, dcap = cap * t, 1.0 - t * t
     if self.bias is not None:
       tile = lax.dynamic_slice(self.bias, (0, qs, ks), (self.bias.shape[0], blk, blk))
       if transposed:   # [gb, q, k] -> [k, q, g] -> [blk, rows]
@@ -179,35 +249,46 @@ class _Tiles:
       kb = lax.dynamic_slice_in_dim(self.key_bias, ks, blk)
       s = s + (kb[:, None] if transposed else kb[None, :])
     mask = None
-    if diagonal:  # i == j: the tile the causal diagonal crosses.
-      mask = self.row_pos[:, None] >= jnp.arange(blk)[None, :]
+    if masked:  # a tile that the causal or window boundary crosses
+      row = qs + self.row_pos[:, None] + self.offset
+      key = ks + jnp.arange(blk)[None, :]
+      mask = key <= row
+      if self.window is not None:
+        mask = mask & (key > row - self.window)
     if self.q_seg is not None:
       qseg = jnp.repeat(lax.dynamic_slice_in_dim(self.q_seg, qs, blk), g)
       same = qseg[:, None] == lax.dynamic_slice_in_dim(self.kv_seg, ks, blk)[None, :]
       mask = same if mask is None else mask & same
     if mask is not None:
       s = jnp.where(mask.T if transposed else mask, s, _NEG_INF)
-    return s
+    return s, dcap
+
+
+def _visit(lo, a, b, hi, step, carry):
+  """Runs ``step(t, carry, masked)`` over tiles ``[lo, a)`` and ``[b, hi)`` with the mask and
+  ``[a, b)`` without."""
+  masked = functools.partial(step, masked=True)
+  carry = lax.fori_loop(lo, a, masked, carry)
+  carry = lax.fori_loop(a, b, functools.partial(step, masked=False), carry)
+  return lax.fori_loop(b, hi, masked, carry)
 
 
 def forward(q, k, v, q_seg, kv_seg, kv_lengths, bias, cfg):
   un = _prepare_units(q, k, v, q_seg, kv_seg, kv_lengths, bias, cfg)
   nq, nk, blk, g, d = un.nq, un.nk, un.blk, un.g, un.d
-  causal = cfg.causal
 
   def unit(args):
     u, qu, ku, vu = args
-    tiles = _Tiles(un, u, causal)
-    kv_blocks = tiles.key_blocks()
+    tiles = _Tiles(un, u, cfg)
 
     def q_tile(i):
       qc = lax.dynamic_slice_in_dim(qu, i * blk, blk).reshape(tiles.rows, d)
 
-      def step(j, carry, diagonal=False):
+      def step(j, carry, masked):
         m, l, acc = carry
         kj = lax.dynamic_slice_in_dim(ku, j * blk, blk)
         vj = lax.dynamic_slice_in_dim(vu, j * blk, blk)
-        s = tiles.scores(_nt(qc, kj), i, j, diagonal)
+        s, _ = tiles.scores(_nt(qc, kj), i, j, masked)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         m_use = jnp.where(jnp.isneginf(m_new), 0.0, m_new)  # rows that saw no key yet
         alpha = jnp.exp(m - m_use)
@@ -216,13 +297,7 @@ def forward(q, k, v, q_seg, kv_seg, kv_lengths, bias, cfg):
 
       carry = (jnp.full((tiles.rows,), _NEG_INF, jnp.float32),
                jnp.zeros((tiles.rows,), jnp.float32), jnp.zeros((tiles.rows, d), jnp.float32))
-      if causal:
-        # Tiles left of the diagonal are wholly visible; tiles right of it are skipped.
-        carry = lax.fori_loop(0, jnp.minimum(i, kv_blocks), step, carry)
-        diag = functools.partial(step, i, diagonal=True)
-        carry = diag(carry) if nq <= nk else lax.cond(i < nk, diag, lambda c: c, carry)
-      else:
-        carry = lax.fori_loop(0, kv_blocks, step, carry)
+      carry = _visit(*tiles.key_tiles(i), step, carry)
       m, l, acc = carry
       empty = l == 0
       o = acc / jnp.where(empty, 1.0, l)[:, None]
@@ -245,7 +320,6 @@ def backward(q, k, v, q_seg, kv_seg, kv_lengths, bias, o, lse, do, cfg):
   nq, nk, blk, g, d = un.nq, un.nk, un.blk, un.g, un.d
   b, tq, tk, hq, hkv = un.b, un.tq, un.tk, un.hq, un.hkv
   tqp = nq * blk
-  causal = cfg.causal
   f32 = jnp.float32
 
   def rows_of(x):  # [b, tq, hq, d] -> [units, tqp * g, d]
@@ -260,8 +334,7 @@ def backward(q, k, v, q_seg, kv_seg, kv_lengths, bias, o, lse, do, cfg):
 
   def unit(dbias_acc, args):
     u, qu, ku, vu, dou, lseu, deltau = args
-    tiles = _Tiles(un, u, causal)
-    kv_blocks = tiles.key_blocks()
+    tiles = _Tiles(un, u, cfg)
     qr = qu.reshape(tqp * g, d)
     rows = tiles.rows
 
@@ -272,7 +345,7 @@ def backward(q, k, v, q_seg, kv_seg, kv_lengths, bias, o, lse, do, cfg):
       ktj = lax.dynamic_slice_in_dim(kt, j * blk, blk, axis=1)
       vj = lax.dynamic_slice_in_dim(vu, j * blk, blk)
 
-      def step(i, carry, diagonal=False):
+      def step(i, carry, masked):
         dk, dv, dqt, dbias_col = carry
         r0 = i * rows
         qc = lax.dynamic_slice_in_dim(qr, r0, rows)
@@ -280,30 +353,25 @@ def backward(q, k, v, q_seg, kv_seg, kv_lengths, bias, o, lse, do, cfg):
         lse_c = lax.dynamic_slice_in_dim(lseu, r0, rows)
         delta_c = lax.dynamic_slice_in_dim(deltau, r0, rows)
         # Keys on rows: every product below is a plain or right-transposed matmul.
-        st = _nt(kj, qc)
-        if tiles.dynamic or diagonal:
-          st = tiles.scores(st, i, j, diagonal, transposed=True)
+        st, dcap = _nt(kj, qc), None
+        if tiles.dynamic or masked:
+          st, dcap = tiles.scores(st, i, j, masked, transposed=True)
         pt = jnp.exp(st - lse_c[None, :])
         dst = pt * (_nt(vj, doc) - delta_c[None, :])
         dv = dv + _nn(pt, doc)
-        dk = dk + _nn(dst, qc)
-        dqt_c = lax.dynamic_slice_in_dim(dqt, r0, rows, axis=1) + _nn(ktj, dst)
-        dqt = lax.dynamic_update_slice_in_dim(dqt, dqt_c, r0, 1)
         if with_bias:
           tile = dst.T.reshape(blk, g, blk).transpose(1, 0, 2)
           dbias_col = lax.dynamic_update_slice_in_dim(dbias_col, tile, i * blk, 1)
+        if dcap is not None:   # through the soft-cap: the bias's gradient is taken before it
+          dst = dst * dcap
+        dk = dk + _nn(dst, qc)
+        dqt_c = lax.dynamic_slice_in_dim(dqt, r0, rows, axis=1) + _nn(ktj, dst)
+        dqt = lax.dynamic_update_slice_in_dim(dqt, dqt_c, r0, 1)
         return dk, dv, dqt, dbias_col
 
       zeros = jnp.zeros((blk, d), f32)
       dbias_col = jnp.zeros((g, tqp, blk), f32) if with_bias else None
-      carry = (zeros, zeros, dqt, dbias_col)
-      live = j < kv_blocks   # a key tile wholly past kv_lengths gets no gradient
-      if causal:
-        diag = functools.partial(step, j, diagonal=True)
-        carry = diag(carry) if nk <= nq else lax.cond(j < nq, diag, lambda c: c, carry)
-        carry = lax.fori_loop(j + 1, jnp.where(live, nq, j + 1), step, carry)
-      else:
-        carry = lax.fori_loop(0, jnp.where(live, nq, 0), step, carry)
+      carry = _visit(*tiles.query_tiles(j), step, (zeros, zeros, dqt, dbias_col))
       dk, dv, dqt, dbias_col = carry
       return dqt, (dk, dv, dbias_col)
 
