@@ -1,0 +1,154 @@
+"""The attention features a decoder needs: bottom-right causal alignment, sliding windows, logit
+soft-capping and decoding from a KV cache, against float64 torch twins, and the tiles the
+sliding window lets the XLA path skip."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from jaxfuse.ops import attention
+from jaxfuse.ops.flash_attention import xla
+from tests import helpers
+
+
+def _inputs(b, tq, tk, hq, hkv, d, seed=0, dtype=jnp.float32):
+  ks = jax.random.split(jax.random.key(seed), 4)
+  q = jax.random.normal(ks[0], (b, tq, hq, d)).astype(dtype)
+  k = jax.random.normal(ks[1], (b, tk, hkv, d)).astype(dtype)
+  v = jax.random.normal(ks[2], (b, tk, hkv, d)).astype(dtype)
+  g = jax.random.normal(ks[3], (b, tq, hq, d)).astype(dtype)
+  return q, k, v, g
+
+
+def _torch_attention(q, k, v, *, causal, window=None, softcap=None, kv_lengths=None):
+  """Attention written out in torch (float64 in, float64 out), with an explicit mask:
+  ``causal`` is None, "top_left" or "bottom_right" (relative to the valid keys)."""
+  b, tq, hq, d = q.shape
+  tk, hkv = k.shape[1], k.shape[2]
+  qh = q.permute(0, 2, 1, 3)
+  kh = k.permute(0, 2, 1, 3).repeat_interleave(hq // hkv, dim=1)
+  vh = v.permute(0, 2, 1, 3).repeat_interleave(hq // hkv, dim=1)
+  s = qh @ kh.transpose(-1, -2) / d ** 0.5
+  if softcap is not None:
+    s = softcap * torch.tanh(s / softcap)
+  lengths = torch.full((b,), tk) if kv_lengths is None else torch.tensor(
+      np.array(kv_lengths))
+  key = torch.arange(tk)[None, None, :]
+  mask = key < lengths[:, None, None]
+  if causal is not None:
+    offset = (lengths - tq) if causal == "bottom_right" else torch.zeros(b, dtype=torch.long)
+    row = torch.arange(tq)[None, :, None] + offset[:, None, None]
+    mask = mask & (key <= row)
+    if window is not None:
+      mask = mask & (key > row - window)
+  s = s.masked_fill(~mask[:, None], float("-inf"))
+  p = torch.softmax(s, dim=-1).nan_to_num(0.0)   # rows that see no key: zeros, as jaxfuse
+  return (p @ vh).permute(0, 2, 1, 3)
+
+
+CASES = [
+    # (tq, tk, causal, window, softcap, with kv_lengths)
+    (37, 37, "top_left", 7, None, False),
+    (37, 37, "top_left", 1, None, False),
+    (20, 53, "bottom_right", None, None, False),
+    (20, 53, "bottom_right", 9, None, True),
+    (53, 20, "bottom_right", None, None, False),
+    (1, 40, "bottom_right", None, None, True),
+    (33, 33, None, None, 3.0, False),
+    (40, 45, "top_left", 12, 5.0, True),
+]
+
+
+@pytest.mark.parametrize("tq,tk,causal,window,softcap,lengths", CASES, ids=str)
+def test_features_match_torch_float64(tq, tk, causal, window, softcap, lengths, monkeypatch):
+  monkeypatch.setattr(xla, "XLA_BLOCK", 16)   # several tiles at these lengths
+  q, k, v, g = _inputs(2, tq, tk, 4, 2, 16, seed=tq + tk)
+  kv_lengths = jnp.array([tk, max(1, tk - 11)]) if lengths else None
+  kw = dict(causal=causal or False, sliding_window=window, logit_softcap=softcap,
+            kv_lengths=kv_lengths)
+  got = helpers.jax_value_and_grads(lambda q, k, v: attention(q, k, v, **kw), (q, k, v), g)
+  want = helpers.torch_value_and_grads(
+      lambda q, k, v: _torch_attention(q, k, v, causal=causal, window=window, softcap=softcap,
+                                       kv_lengths=kv_lengths), (q, k, v), g, torch.float64)
+  for a, b, what in zip(got, want, ("out", "dq", "dk", "dv")):
+    helpers.assert_close(a, b, what=what)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: jnp.dtype(d).name)
+def test_features_in_low_precision_within_twice_torch_error(dtype):
+  q, k, v, g = _inputs(2, 29, 45, 4, 1, 16, seed=3, dtype=dtype)
+  kw = dict(causal="bottom_right", window=10, softcap=4.0)
+  got = helpers.jax_value_and_grads(
+      lambda q, k, v: attention(q, k, v, causal=kw["causal"], sliding_window=kw["window"],
+                                logit_softcap=kw["softcap"]), (q, k, v), g)
+  twin = lambda q, k, v: _torch_attention(q, k, v, **kw)  # noqa: E731
+  exact = helpers.torch_value_and_grads(twin, (q, k, v), g, torch.float64)
+  low = helpers.torch_value_and_grads(twin, (q, k, v), g)
+  for a, e, t, what in zip(got, exact, low, ("out", "dq", "dk", "dv")):
+    assert a.dtype == dtype
+    helpers.assert_within_low_precision_error(a, e, t, what=what)
+
+
+def test_decoding_from_a_cache_equals_the_full_forward():
+  """Prefill a prompt into a key/value buffer, then feed one query at a time with
+  causal='bottom_right' and kv_lengths: each output equals that row of full causal attention
+  over the whole sequence. The prefix's keys are never recomputed."""
+  b, t, hq, hkv, d, buffer = 2, 23, 4, 2, 16, 40
+  q, k, v, _ = _inputs(b, t, t, hq, hkv, d, seed=5)
+  full = attention(q, k, v, causal=True, sliding_window=9)
+  k_buf = jnp.zeros((b, buffer, hkv, d)).at[:, :t].set(k)
+  v_buf = jnp.zeros((b, buffer, hkv, d)).at[:, :t].set(v)
+  prompt = 15
+  lengths = jnp.full((b,), prompt)
+  out = attention(q[:, :prompt], k_buf, v_buf, causal="bottom_right", kv_lengths=lengths,
+                  sliding_window=9)
+  helpers.assert_close(out, full[:, :prompt])
+  for pos in range(prompt, t):
+    step = attention(q[:, pos:pos + 1], k_buf, v_buf, causal="bottom_right",
+                     kv_lengths=jnp.full((b,), pos + 1), sliding_window=9)
+    helpers.assert_close(step[:, 0], full[:, pos], what=f"position {pos}")
+
+
+@pytest.mark.parametrize("window", [1, 16, 17, 40])
+def test_sliding_window_skips_the_tiles_outside(window):
+  """The XLA path visits, per query tile, exactly the key tiles that some row's window
+  reaches; of those, only the ones a window edge crosses are masked."""
+  blk, t = 16, 128
+  un = xla._Units(q=jnp.zeros((1, t, 1, 8)), k=jnp.zeros((1, t, 8)), v=None, key_bias=None,
+                  q_seg=None, kv_seg=None, bias=None, kv_lengths=None, b=1, tq=t, tk=t, hq=1,
+                  hkv=1, g=1, d=8, blk=blk)
+
+  class Cfg:
+    causal, sliding_window, softcap = "top_left", window, None
+
+  tiles = xla._Tiles(un, 0, Cfg)
+  for i in range(t // blk):
+    lo, a, b, hi = (int(x) for x in tiles.key_tiles(i))
+    rows = range(i * blk, (i + 1) * blk)
+    needed = sorted({key // blk for r in rows for key in range(max(0, r - window + 1), r + 1)})
+    assert list(range(lo, hi)) == needed, (i, lo, hi)
+    crossed = [j for j in needed
+               if not all(r - window < key <= r for r in rows
+                          for key in range(j * blk, (j + 1) * blk))]
+    assert [j for j in range(lo, hi) if not a <= j < b] == crossed, (i, a, b)
+    for j in range(t // blk):   # and from the keys' side, for the backward
+      qlo, qa, qb, qhi = (int(x) for x in tiles.query_tiles(j))
+      seen = [q for q in range(t // blk) if j in
+              {key // blk for r in range(q * blk, (q + 1) * blk)
+               for key in range(max(0, r - window + 1), r + 1)}]
+      assert list(range(qlo, qhi)) == seen, (j, qlo, qhi)
+
+
+def test_bad_feature_arguments_are_named():
+  q = jnp.ones((1, 4, 2, 8))
+  with pytest.raises(ValueError, match=r"attention: causal must be a bool, 'top_left' or "
+                                       r"'bottom_right', got 'left'"):
+    attention(q, q, q, causal="left")
+  with pytest.raises(ValueError, match="attention: sliding_window needs a causal mask"):
+    attention(q, q, q, sliding_window=3)
+  with pytest.raises(ValueError, match="attention: sliding_window must be None or a positive"):
+    attention(q, q, q, causal=True, sliding_window=0)
+  with pytest.raises(ValueError, match="attention: logit_softcap must be None or a positive"):
+    attention(q, q, q, logit_softcap=-1.0)
