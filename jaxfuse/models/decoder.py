@@ -1,0 +1,326 @@
+"""A LLaMA-family decoder language model (LLaMA, Mistral, Qwen2) built from jaxfuse parts.
+
+``Decoder(cfg, rngs=...)`` is a stack of pre-norm blocks: RMSNorm, attention (grouped-query,
+rotary, causal, optionally a sliding window), RMSNorm, a SwiGLU MLP; then a final RMSNorm and
+the LM head. ``fused`` chooses how it computes, never what parameters it has:
+
+- ``fused=True``: the residual add and the next RMSNorm are one op (:func:`add_rms_norm`); the
+  attention is :func:`jaxfuse.ops.attention` (saves its output and log-sum-exp, never the
+  scores); the MLP is :class:`jaxfuse.nnx.GatedMLP` (recomputes its hidden activation); the head
+  is :class:`jaxfuse.nnx.LMHead` (the fused linear cross-entropy: no ``[tokens, V]`` logits).
+- ``fused=False``: the same model from plain flax/jax parts: ``nnx.RMSNorm``,
+  ``jax.nn.dot_product_attention``, a SwiGLU of ``nnx.Linear`` calls, full logits and
+  ``optax.softmax_cross_entropy_with_integer_labels``. It is the baseline every figure is
+  measured against; :func:`nnx.state` of one loads into the other.
+
+The parameter tree follows Hugging Face's names (``layers[i].self_attn.q_proj``,
+``mlp.gate_proj``, ``input_layernorm``, ...), so :mod:`jaxfuse.interop` maps it one to one.
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> from flax import nnx
+  >>> from jaxfuse.models import Decoder, DecoderConfig
+  >>> cfg = DecoderConfig(vocab_size=256, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2,
+  ...                     mlp_dim=128)
+  >>> model = Decoder(cfg, rngs=nnx.Rngs(0))
+  >>> tokens = jnp.zeros((2, 16), jnp.int32)
+  >>> model(tokens, next_token_targets(tokens)).shape   # the mean loss
+  ()
+  >>> model.logits(tokens).shape
+  (2, 16, 256)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from jaxfuse import nnx as jnnx
+from jaxfuse.models.config import DecoderConfig
+from jaxfuse.ops import dense, rotary_embedding
+from jaxfuse.ops.flash_attention import attention
+
+IGNORE_INDEX = -100
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def next_token_targets(tokens: jax.Array, ignore_index: int = IGNORE_INDEX) -> jax.Array:
+  """``targets[:, t] = tokens[:, t + 1]``, with ``ignore_index`` at the last position: the
+  language-model targets (Hugging Face's ``labels=input_ids`` shifts them the same way)."""
+  pad = jnp.full(tokens.shape[:-1] + (1,), ignore_index, tokens.dtype)
+  return jnp.concatenate([tokens[..., 1:], pad], axis=-1)
+
+
+def _linear(cfg: DecoderConfig, n_in: int, n_out: int, use_bias: bool, rngs: nnx.Rngs):
+  return nnx.Linear(n_in, n_out, use_bias=use_bias, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+                    precision=_HIGHEST, rngs=rngs,
+                    kernel_init=nnx.initializers.normal(cfg.initializer_range))
+
+
+def _project(linear: nnx.Linear, x: jax.Array, fused: bool) -> jax.Array:
+  """``x @ kernel + bias``: jaxfuse's dense (its weight gradient in XLA:CPU's fast layout), or
+  the plain ``nnx.Linear`` call."""
+  if not fused:
+    return linear(x)
+  kernel = linear.kernel[...].astype(x.dtype)
+  bias = None if linear.bias is None else linear.bias[...].astype(x.dtype)
+  return dense(x, kernel, bias, precision=_HIGHEST)
+
+
+class Attention(nnx.Module):
+  """Grouped-query self-attention with rotary embeddings; HF's ``self_attn`` parameters."""
+
+  def __init__(self, cfg: DecoderConfig, *, fused: bool, implementation: str | None,
+               rngs: nnx.Rngs):
+    hd = cfg.head_dim_or_default
+    self.cfg = cfg
+    self.fused = fused
+    self.implementation = implementation
+    self.q_proj = _linear(cfg, cfg.d_model, cfg.num_heads * hd, cfg.qkv_bias, rngs)
+    self.k_proj = _linear(cfg, cfg.d_model, cfg.kv_heads * hd, cfg.qkv_bias, rngs)
+    self.v_proj = _linear(cfg, cfg.d_model, cfg.kv_heads * hd, cfg.qkv_bias, rngs)
+    self.o_proj = _linear(cfg, cfg.num_heads * hd, cfg.d_model, cfg.o_bias, rngs)
+
+  def _heads(self, x, positions):
+    cfg, hd = self.cfg, self.cfg.head_dim_or_default
+    lead = x.shape[:-1]
+    q = _project(self.q_proj, x, self.fused).reshape(*lead, cfg.num_heads, hd)
+    k = _project(self.k_proj, x, self.fused).reshape(*lead, cfg.kv_heads, hd)
+    v = _project(self.v_proj, x, self.fused).reshape(*lead, cfg.kv_heads, hd)
+    q = rotary_embedding(q, positions, base=cfg.rope_theta)
+    k = rotary_embedding(k, positions, base=cfg.rope_theta)
+    return q, k, v
+
+  def _out(self, o):
+    return _project(self.o_proj, o.reshape(*o.shape[:-2], -1), self.fused)
+
+  def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    q, k, v = self._heads(x, positions)
+    window = self.cfg.sliding_window
+    if self.fused:
+      o = attention(q, k, v, causal=True, sliding_window=window,
+                    implementation=self.implementation)
+    else:
+      local = None if window is None else (window - 1, 0)
+      o = jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=local,
+                                       implementation="xla")
+    return self._out(o)
+
+  def decode(self, x: jax.Array, positions: jax.Array, cache: dict, length: jax.Array):
+    """Attention of ``x`` (``t`` new tokens at ``positions``) over the cached keys and values
+    ``[0, length)`` and its own; returns the output and the cache with its keys and values."""
+    q, k, v = self._heads(x, positions)
+    t = x.shape[-2]
+    keys = jax.lax.dynamic_update_slice_in_dim(cache["k"], k.astype(cache["k"].dtype), length,
+                                               axis=1)
+    values = jax.lax.dynamic_update_slice_in_dim(cache["v"], v.astype(cache["v"].dtype), length,
+                                                 axis=1)
+    kv_lengths = jnp.full(x.shape[:1], length + t, jnp.int32)
+    o = attention(q, keys.astype(q.dtype), values.astype(q.dtype), causal="bottom_right",
+                  kv_lengths=kv_lengths, sliding_window=self.cfg.sliding_window,
+                  implementation=self.implementation)
+    return self._out(o), {"k": keys, "v": values}
+
+
+class MLP(jnnx.GatedMLP):
+  """LLaMA's SwiGLU MLP: ``down_proj(silu(gate_proj(x)) * up_proj(x))``; the fused path is
+  :class:`jaxfuse.nnx.GatedMLP`'s, the unfused one calls the ``nnx.Linear`` submodules."""
+
+  def __init__(self, cfg: DecoderConfig, *, fused: bool, implementation: str | None,
+               rngs: nnx.Rngs):
+    super().__init__(cfg.d_model, cfg.mlp_dim, use_bias=cfg.mlp_bias, dtype=cfg.dtype,
+                     param_dtype=cfg.param_dtype, implementation=implementation,
+                     kernel_init=nnx.initializers.normal(cfg.initializer_range), rngs=rngs)
+    self.fused = fused
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    if self.fused:
+      return super().__call__(x)
+    return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _norm(cfg: DecoderConfig, fused: bool, implementation: str | None, rngs: nnx.Rngs):
+  if fused:
+    return jnnx.RMSNorm(cfg.d_model, epsilon=cfg.rms_norm_eps, dtype=cfg.dtype,
+                        param_dtype=cfg.param_dtype, implementation=implementation, rngs=rngs)
+  return nnx.RMSNorm(cfg.d_model, epsilon=cfg.rms_norm_eps, dtype=cfg.dtype,
+                     param_dtype=cfg.param_dtype, rngs=rngs)
+
+
+class Block(nnx.Module):
+  """One pre-norm decoder block (HF's ``LlamaDecoderLayer`` parameters)."""
+
+  def __init__(self, cfg: DecoderConfig, *, fused: bool, implementation: str | None,
+               rngs: nnx.Rngs):
+    self.fused = fused
+    self.input_layernorm = _norm(cfg, fused, implementation, rngs)
+    self.self_attn = Attention(cfg, fused=fused, implementation=implementation, rngs=rngs)
+    self.post_attention_layernorm = _norm(cfg, fused, implementation, rngs)
+    self.mlp = MLP(cfg, fused=fused, implementation=implementation, rngs=rngs)
+
+  def __call__(self, h: jax.Array, positions: jax.Array) -> jax.Array:
+    """The unfused block: ``h + attn(norm(h))``, then ``+ mlp(norm(.))``."""
+    h = h + self.self_attn(self.input_layernorm(h), positions)
+    return h + self.mlp(self.post_attention_layernorm(h))
+
+  def fused_call(self, normed: jax.Array, stream: jax.Array, positions: jax.Array,
+                 next_norm) -> tuple[jax.Array, jax.Array]:
+    """The fused block on ``normed = input_layernorm(stream)``: returns the next block's
+    ``(normed, stream)``, each residual add fused with the RMSNorm that follows it."""
+    a = self.self_attn(normed, positions)
+    normed, stream = self.post_attention_layernorm.add(a, stream)
+    return next_norm.add(self.mlp(normed), stream)
+
+
+class Decoder(nnx.Module):
+  """A decoder-only language model; see the module docstring.
+
+  Args:
+    cfg: the :class:`DecoderConfig`.
+    fused: jaxfuse's fused ops (True) or plain flax/jax parts (False), on the same parameters.
+    remat: recompute each block in the backward pass (``"block"``: keep only its input) or
+      nothing (None).
+    implementation: passed to every jaxfuse op (None: the fastest here).
+    rngs: for the initializers.
+  """
+
+  def __init__(self, cfg: DecoderConfig, *, fused: bool = True, remat: str | None = None,
+               implementation: str | None = None, rngs: nnx.Rngs):
+    if remat not in (None, "block"):
+      raise ValueError(f"Decoder: remat must be None or 'block', got {remat!r}")
+    self.cfg = cfg
+    self.fused = fused
+    self.remat = remat
+    self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype,
+                                  param_dtype=cfg.param_dtype, rngs=rngs,
+                                  embedding_init=nnx.initializers.normal(cfg.initializer_range))
+    self.layers = nnx.List([Block(cfg, fused=fused, implementation=implementation, rngs=rngs)
+                            for _ in range(cfg.num_layers)])
+    self.norm = _norm(cfg, fused, implementation, rngs)
+    self.lm_head = jnnx.LMHead(
+        cfg.d_model, cfg.vocab_size, tie_to=self.embed_tokens if cfg.tie_embeddings else None,
+        dtype=cfg.dtype, param_dtype=cfg.param_dtype, ignore_index=IGNORE_INDEX,
+        kernel_init=nnx.initializers.normal(cfg.initializer_range),
+        implementation=implementation, rngs=rngs)
+
+  # Training -----------------------------------------------------------------------------------
+
+  def hidden(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+    """The final normalized hidden states ``[batch, seq, d_model]``."""
+    if positions is None:
+      positions = jnp.arange(tokens.shape[-1])
+    h = self.embed_tokens(tokens)
+    if not self.fused:
+      for block in self.layers:
+        h = self._maybe_remat(lambda b, h: b(h, positions))(block, h)
+      return self.norm(h)
+    normed, stream = self.layers[0].input_layernorm(h), h
+    for i, block in enumerate(self.layers):
+      last = i + 1 == len(self.layers)
+      next_norm = self.norm if last else self.layers[i + 1].input_layernorm
+      step = lambda b, n, s, nn: b.fused_call(n, s, positions, nn)  # noqa: E731
+      normed, stream = self._maybe_remat(step)(block, normed, stream, next_norm)
+    return normed
+
+  def _maybe_remat(self, fn):
+    return nnx.remat(fn) if self.remat == "block" else fn
+
+  def __call__(self, tokens: jax.Array, targets: jax.Array,
+               positions: jax.Array | None = None) -> jax.Array:
+    """The mean cross-entropy of ``targets`` (``IGNORE_INDEX`` where none; see
+    :func:`next_token_targets`) given ``tokens``."""
+    h = self.hidden(tokens, positions)
+    if self.fused:
+      return self.lm_head.loss(h, targets)
+    logits = self.logits_from_hidden(h)
+    valid = targets != IGNORE_INDEX
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.where(valid, targets, 0))
+    return jnp.sum(jnp.where(valid, losses, 0.0)) / jnp.sum(valid)
+
+  def logits_from_hidden(self, h: jax.Array) -> jax.Array:
+    """Float32 logits of normalized hidden states (materialized: use on few positions)."""
+    return self.lm_head.logits(h)
+
+  def logits(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+    """Float32 logits ``[batch, seq, V]`` of every position (materialized)."""
+    return self.logits_from_hidden(self.hidden(tokens, positions))
+
+  # Decoding with a KV cache -------------------------------------------------------------------
+
+  def init_cache(self, batch: int, max_len: int | None = None, dtype: Any = None) -> dict:
+    """An empty KV cache for ``batch`` sequences of up to ``max_len`` tokens (default
+    ``cfg.max_seq_len``): per layer, keys and values ``[batch, max_len, kv_heads, head_dim]``."""
+    cfg = self.cfg
+    max_len = max_len or cfg.max_seq_len
+    dtype = dtype or cfg.dtype
+    shape = (batch, max_len, cfg.kv_heads, cfg.head_dim_or_default)
+    layers = [{"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+              for _ in range(cfg.num_layers)]
+    return {"layers": layers, "length": jnp.zeros((), jnp.int32)}
+
+  def decode(self, tokens: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
+    """Feeds ``tokens [batch, t]`` after the cached ones; returns the float32 logits of the last
+    of them ``[batch, V]`` and the updated cache. The prefix is never recomputed: each call
+    computes keys and values for its own tokens only."""
+    length = cache["length"]
+    t = tokens.shape[-1]
+    positions = length + jnp.arange(t)
+    h = self.embed_tokens(tokens)
+    layers = []
+    for block, kv in zip(self.layers, cache["layers"]):
+      a, kv = block.self_attn.decode(block.input_layernorm(h), positions, kv, length)
+      h = h + a
+      h = h + block.mlp(block.post_attention_layernorm(h))
+      layers.append(kv)
+    logits = self.logits_from_hidden(self.norm(h[:, -1:]))[:, 0]
+    return logits, {"layers": layers, "length": length + t}
+
+
+def generate(model: Decoder, prompt: jax.Array, steps: int, key: jax.Array, *,
+             temperature: float = 1.0, max_len: int | None = None) -> jax.Array:
+  """Samples ``steps`` tokens after ``prompt [batch, t]`` with the KV cache; returns
+  ``[batch, t + steps]``. ``temperature=0`` takes the argmax.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from jaxfuse.models import Decoder, DecoderConfig, generate
+    >>> cfg = DecoderConfig(vocab_size=32, d_model=16, num_layers=1, num_heads=2, mlp_dim=32)
+    >>> model = Decoder(cfg, rngs=nnx.Rngs(0))
+    >>> generate(model, jnp.zeros((1, 3), jnp.int32), 5, jax.random.key(0)).shape
+    (1, 8)
+  """
+  batch, t = prompt.shape
+  max_len = max_len or t + steps
+  if t + steps > max_len:
+    raise ValueError(f"generate: prompt ({t}) + steps ({steps}) exceed max_len ({max_len})")
+  graphdef, state = nnx.split(model)
+
+  def pick(logits, key):
+    if temperature == 0:
+      return jnp.argmax(logits, axis=-1).astype(prompt.dtype)
+    return jax.random.categorical(key, logits / temperature).astype(prompt.dtype)
+
+  @jax.jit
+  def run(state, prompt, key):
+    m = nnx.merge(graphdef, state)
+    logits, cache = m.decode(prompt, m.init_cache(batch, max_len))
+    keys = jax.random.split(key, steps)
+
+    def step(carry, key):
+      logits, cache = carry
+      token = pick(logits, key)
+      logits, cache = m.decode(token[:, None], cache)
+      return (logits, cache), token
+
+    _, tokens = jax.lax.scan(step, (logits, cache), keys)
+    return jnp.concatenate([prompt, tokens.T], axis=1)
+
+  return run(state, prompt, key)
+
+
+__all__ = ["Attention", "Block", "Decoder", "MLP", "generate", "next_token_targets"]
