@@ -234,8 +234,19 @@ def dot_product_attention(query: jax.Array, key: jax.Array, value: jax.Array,
                           segment_ids=None, kv_lengths: jax.Array | None = None,
                           sliding_window: int | None = None,
                           logit_softcap: float | None = None,
-                          implementation: str | None = None) -> jax.Array:
+                          implementation: str | None = None, dropout_rng=None,
+                          dropout_rate: float = 0.0, broadcast_dropout: bool = True,
+                          deterministic: bool = False, dtype=None, precision=None,
+                          module=None) -> jax.Array:
   """:func:`attention` with the argument names of :func:`jax.nn.dot_product_attention`.
+
+  It is also a drop-in ``attention_fn`` for ``flax.nnx.MultiHeadAttention`` and
+  ``flax.linen.MultiHeadDotProductAttention``, which pass ``dropout_rng``, ``dropout_rate``,
+  ``broadcast_dropout``, ``deterministic``, ``dtype``, ``precision`` and ``module``: ``dtype``
+  casts the inputs; ``precision`` is taken as given (float32 products are always full
+  precision here); attention dropout (``dropout_rate > 0`` when not ``deterministic``) and
+  sowing the attention weights (``module``) are refused with an error, since the weights never
+  exist.
 
   ``query`` is ``[batch..., q_len, heads, head_dim]`` with any number of batch axes (``key``
   and ``value`` share them). A boolean ``mask`` (True = attend), broadcastable to
@@ -251,6 +262,16 @@ def dot_product_attention(query: jax.Array, key: jax.Array, value: jax.Array,
     >>> dot_product_attention(x, x, x, is_causal=True).shape
     (2, 3, 10, 4, 16)
   """
+  op = "dot_product_attention"
+  del precision, broadcast_dropout, dropout_rng
+  if dropout_rate and not deterministic:
+    raise NotImplementedError(f"{op}: attention dropout (dropout_rate={dropout_rate}) is not "
+                              f"supported: the attention weights are never materialized")
+  if module is not None:
+    raise NotImplementedError(f"{op}: sowing the attention weights (sow_weights=True) is not "
+                              f"supported: they are never materialized")
+  if dtype is not None:
+    query, key, value = (x.astype(dtype) for x in (query, key, value))
   batch = query.shape[:-3]
   if key.shape[:-3] != batch or value.shape[:-3] != batch:
     raise ValueError(f"dot_product_attention: query, key and value must share their batch "
