@@ -107,6 +107,7 @@ class TrainConfig:
   init_from: str | None = None
   out: str = "runs/jaxfuse-train"
   resume: bool = False
+  stop_at: int | None = None   # stop after this step (the schedule still spans --steps)
 
   def model_config(self) -> DecoderConfig:
     return DecoderConfig(vocab_size=256, d_model=self.d_model, num_layers=self.layers,
@@ -116,6 +117,8 @@ class TrainConfig:
 
 
 def _check(cfg: TrainConfig) -> None:
+  if cfg.sample_tokens < 0:
+    raise ValueError(f"--sample-tokens must be >= 0, got {cfg.sample_tokens}")
   for name in ("steps", "batch", "seq", "eval_every", "eval_batches", "save_every"):
     if getattr(cfg, name) < 1:
       raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
@@ -123,6 +126,8 @@ def _check(cfg: TrainConfig) -> None:
     raise ValueError(f"--dtype must be float32, bfloat16 or float16, got {cfg.dtype!r}")
   if cfg.warmup < 0 or cfg.warmup >= cfg.steps:
     raise ValueError(f"--warmup must be in [0, --steps), got {cfg.warmup} with {cfg.steps} steps")
+  if cfg.stop_at is not None and not 1 <= cfg.stop_at <= cfg.steps:
+    raise ValueError(f"--stop-at must be in [1, --steps], got {cfg.stop_at}")
   if cfg.lr <= 0 or cfg.clip <= 0:
     raise ValueError(f"--lr and --clip must be > 0, got {cfg.lr} and {cfg.clip}")
 
@@ -261,7 +266,7 @@ def train(cfg: TrainConfig, *, log=print) -> dict:
   with progress or _nothing():
     task = progress.add_task("train", total=cfg.steps, completed=start, status="") \
         if progress else None
-    for step in range(start, cfg.steps):
+    for step in range(start, cfg.stop_at or cfg.steps):
       tokens, targets = batch_at(train_data, step, cfg.batch, cfg.seq, cfg.seed)
       t0 = time.perf_counter()
       state, loss = train_step(state, tokens, targets)
@@ -274,10 +279,10 @@ def train(cfg: TrainConfig, *, log=print) -> dict:
       history["step"].append(step + 1)
       history["loss"].append(loss)
       done = step + 1
-      if done % cfg.eval_every == 0 or done == cfg.steps:
+      if done % cfg.eval_every == 0 or done in (cfg.steps, cfg.stop_at):
         history["val_step"].append(done)
         history["val_loss"].append(validate(state))
-      if done % cfg.save_every == 0 or done == cfg.steps:
+      if done % cfg.save_every == 0 or done in (cfg.steps, cfg.stop_at):
         save_checkpoint(manager, done, state, {"history": history, "config": _as_json(cfg)})
       if progress:
         rate = tokens_per_step * timed_steps / timed_seconds if timed_seconds else 0.0
@@ -287,7 +292,7 @@ def train(cfg: TrainConfig, *, log=print) -> dict:
                         status=f"loss {loss / LN2:.3f} bits/byte{val} {rate:,.0f} tok/s")
   elapsed = time.perf_counter() - started
   model, _ = nnx.merge(graphdef, state)
-  sample = sample_text(model, cfg)
+  sample = sample_text(model, cfg) if cfg.sample_tokens else ""
   result = {
       "config": _as_json(cfg),
       "model": model.cfg.as_dict(),
@@ -305,7 +310,8 @@ def train(cfg: TrainConfig, *, log=print) -> dict:
   log(f"validation {result['final_val_loss_bits_per_byte']:.3f} bits/byte (unigram entropy "
       f"{entropy:.3f}); {elapsed:.0f} s; wrote {out / 'train_log.json'} and "
       f"{out / 'loss_curve.png'}")
-  log("sample:\n" + sample)
+  if sample:
+    log("sample:\n" + sample)
   return result
 
 
@@ -363,7 +369,7 @@ def parse_args(argv=None) -> TrainConfig:
     if isinstance(default, bool):
       parser.add_argument(flag, action="store_true", help=f"(default: {default})")
     else:
-      kind = type(default) if default is not None else str
+      kind = {"int": int, "float": float}.get(str(field.type).split(" ")[0], str)
       parser.add_argument(flag, type=kind, default=default, help=f"(default: {default})")
   args = parser.parse_args(argv)
   return TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
