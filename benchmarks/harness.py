@@ -1,25 +1,160 @@
-"""What every suite shares: progress, interleaved timing, error figures, the table and a plot."""
+"""What every suite shares: conversions between JAX and torch, the forward + backward steps
+of both, error figures, residual and compiled-memory figures, interleaved timing, ratios, the
+table and a plot."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import records as rec
+from jaxfuse import metrics
 from jaxfuse.metrics import timing
 from jaxfuse.ops import dispatch
 
 
+# JAX <-> torch ----------------------------------------------------------------------------------
+
+
 def to_numpy(x) -> np.ndarray:
-  """A float64 numpy copy of a JAX array or torch tensor."""
+  """A float64 numpy copy of a JAX array or torch tensor.
+
+  float16, bfloat16 and float32 widen exactly; float64 (a torch reference) keeps every bit.
+  """
   if hasattr(x, "detach"):
-    x = x.detach().float().cpu().numpy()
+    x = x.detach().cpu()
+    x = (x.double() if x.is_floating_point() else x).numpy()
   return np.asarray(x, dtype=np.float64)
+
+
+def torch_dtype(dtype):
+  """The torch dtype of a JAX (numpy) dtype."""
+  import torch
+
+  name = jnp.dtype(dtype).name
+  if name == "bool":
+    return torch.bool
+  return getattr(torch, name)
+
+
+def torch_device() -> str:
+  import torch
+
+  return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def to_torch(x, *, dtype=None, device: str | None = None, requires_grad: bool = False):
+  """A torch tensor holding the values of ``x`` (a JAX or numpy array) exactly.
+
+  Args:
+    x: the array; bfloat16 goes through float32, which holds it exactly.
+    dtype: the torch dtype (default: ``x``'s own).
+    device: default ``cuda`` where torch sees a GPU, else ``cpu``.
+    requires_grad: whether the tensor is a leaf that takes gradients.
+  """
+  import torch
+
+  x = jnp.asarray(x)
+  if x.dtype == jnp.bfloat16:
+    t = torch.from_numpy(np.array(x.astype(jnp.float32))).to(torch.bfloat16)
+  else:
+    t = torch.from_numpy(np.array(x))
+  t = t.to(device or torch_device())
+  if dtype is not None:
+    t = t.to(dtype)
+  return t.requires_grad_(requires_grad)
+
+
+def to_float64_cpu(tensors: Iterable):
+  """float64 CPU copies of torch tensors (others as they are), for a float64 reference."""
+  import torch
+
+  return [t.to(device="cpu", dtype=torch.float64)
+          if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in tensors]
+
+
+# Steps ------------------------------------------------------------------------------------------
+
+
+def _as_list(x) -> list:
+  return list(x) if isinstance(x, (tuple, list)) else [x]
+
+
+def jax_step(f: Callable, *, n_diff: int | None = None, grad: bool = True,
+             matmul_precision: str | None = None) -> Callable:
+  """One jit-compiled step of ``f``: ``step(args, cotangents) -> (outputs, gradients)``.
+
+  Args:
+    f: a function of JAX arrays returning an array or a tuple of arrays.
+    n_diff: how many leading arguments are differentiated (default: all).
+    grad: False for a forward-only step, whose gradients are ``[]``.
+    matmul_precision: traces and runs the step under ``jax.default_matmul_precision(...)``
+      (e.g. ``"highest"``): the precision of the matmuls of a peer that takes no precision
+      argument, its backward included.
+
+  ``cotangents`` has ``f``'s output structure; None stands for 1 (a scalar loss). A gradient
+  that is the very same array as an earlier one (``x``'s and ``residual``'s in an add + norm)
+  leaves the compiled step once, as torch's autograd returns one tensor for both: returning it
+  twice would make XLA copy it.
+  """
+  layout: list[int] = []
+
+  @jax.jit
+  def compiled(args, cts):
+    if not grad:
+      return f(*args), []
+    n = len(args) if n_diff is None else n_diff
+    rest = tuple(args[n:])
+    out, vjp = jax.vjp(lambda *d: f(*d, *rest), *args[:n])
+    if cts is None:
+      cts = jax.tree_util.tree_map(jnp.ones_like, out)
+    layout.clear()
+    unique: list = []
+    for g in vjp(cts):
+      same = [i for i, u in enumerate(unique) if u is g]
+      layout.append(same[0] if same else len(unique))
+      if not same:
+        unique.append(g)
+    return out, unique
+
+  def step(args, cts=None):
+    with (jax.default_matmul_precision(matmul_precision) if matmul_precision
+          else contextlib.nullcontext()):
+      out, unique = compiled(tuple(args), cts)
+    return out, [unique[i] for i in layout] if grad else []
+
+  return step
+
+
+def torch_step(fn: Callable, *, n_diff: int | None = None, grad: bool = True) -> Callable:
+  """One torch autograd step of ``fn``: ``step(args, cotangents) -> (outputs, gradients)``.
+
+  The leading ``n_diff`` arguments (default: all) become fresh leaves each call; gradients come
+  from ``torch.autograd.grad``. ``cotangents`` None stands for 1 (a scalar loss); with
+  ``grad=False`` the step runs the forward under ``no_grad`` and its gradients are ``[]``.
+  """
+  import torch
+
+  def step(args, cts=None):
+    if not grad:
+      with torch.no_grad():
+        return fn(*args), []
+    n = len(args) if n_diff is None else n_diff
+    leaves = [a.detach().requires_grad_() for a in args[:n]]
+    out = fn(*leaves, *args[n:])
+    grad_outputs = None if cts is None else _as_list(cts)
+    return out, list(torch.autograd.grad(_as_list(out), leaves, grad_outputs))
+
+  return step
+
+
+# Figures ----------------------------------------------------------------------------------------
 
 
 def max_abs_err(got, want) -> float:
@@ -36,6 +171,95 @@ def max_abs_err(got, want) -> float:
     if g.size:
       worst = max(worst, float(np.max(np.abs(g - w))))
   return worst
+
+
+def errors(got, want) -> tuple[float, float | None]:
+  """Largest output error and largest gradient error of one step's ``(outputs, gradients)``
+  against another's (None for the gradients of a forward-only step)."""
+  (outs, grads), (want_outs, want_grads) = got, want
+  out_err = max_abs_err(_as_list(outs), _as_list(want_outs))
+  grad_err = max_abs_err(list(grads), list(want_grads)) if len(grads) else None
+  return out_err, grad_err
+
+
+def set_errors(record: rec.Record, errors: tuple[float, float | None], source: str) -> None:
+  """Sets a record's ``max_abs_err`` and ``max_grad_err`` (from :func:`errors`) and their
+  source."""
+  record.set("max_abs_err", errors[0], source)
+  record.set("max_grad_err", errors[1], source)
+
+
+def residual_bytes(f: Callable, args: Sequence, *, n_diff: int | None = None) -> int:
+  """Bytes ``jax.vjp`` of ``f`` keeps beyond its arguments, for its leading ``n_diff``
+  arguments (default: all); traced only, so Pallas kernels need no interpret run."""
+  n = len(args) if n_diff is None else n_diff
+  rest = tuple(args[n:])
+  return metrics.residual_bytes(lambda *d: f(*d, *rest), *args[:n])
+
+
+def torch_residual_bytes(fn: Callable, t_args: Sequence, *, n_diff: int | None = None) -> int:
+  """Bytes torch's autograd saves for the backward of ``fn`` (eager or compiled), beyond its
+  arguments, for its leading ``n_diff`` arguments (default: all)."""
+  n = len(t_args) if n_diff is None else n_diff
+  leaves = [a.detach().requires_grad_() for a in t_args[:n]]
+  return metrics.torch_residual_bytes(lambda: fn(*leaves, *t_args[n:]),
+                                      exclude=[*t_args, *leaves])
+
+
+def step_bytes_moved(f: Callable, args: Sequence, cts=None, **step_options) -> int | None:
+  """Bytes the Pallas kernels of one ``jax_step(f)`` read + write; None if it launches none.
+
+  ``jaxfuse.metrics.bytes_moved`` traces the step for a GPU (nothing runs), so that the kernels
+  are counted with the tiles they use there: call it outside ``jaxfuse.pallas_interpret()``,
+  whose kernels pick other tiles. ``step_options`` go to :func:`jax_step`.
+  """
+  step = jax_step(f, **step_options)
+  return metrics.bytes_moved(lambda *a: step(a, cts), *args)
+
+
+def compiled_figures(step: Callable, args: Sequence, cts=None) -> tuple[int | None, int]:
+  """``(xla_bytes_accessed, temp_bytes)`` of one compiled ``jax_step``: XLA's cost analysis
+  and its compiled temp memory."""
+  run = lambda *a: step(a, cts)  # noqa: E731
+  accessed = metrics.xla_cost(run, *args)["bytes_accessed"]
+  temp = metrics.compiled_memory(run, *args)["temp_bytes"]
+  return (None if accessed is None else int(accessed)), int(temp)
+
+
+def record_compiled_figures(record: rec.Record, step: Callable, args: Sequence,
+                            cts=None) -> None:
+  """Sets ``xla_bytes_accessed`` and ``temp_bytes`` of a record from its compiled step."""
+  accessed, temp = compiled_figures(step, args, cts)
+  record.set("xla_bytes_accessed", accessed, rec.XLA_BYTES_SOURCE)
+  record.set("temp_bytes", temp, rec.TEMP_BYTES_SOURCE)
+
+
+def time_source(t: Mapping | None) -> str:
+  """How a ``time_ms`` figure was taken."""
+  runs = (t or {}).get("runs")
+  rounds = f"{runs} interleaved rounds" if runs else "interleaved rounds"
+  return f"median of {rounds} after warm-up, candidates in shuffled order"
+
+
+def ratio_to_fastest(records: Sequence[rec.Record], peers: Sequence[str]) -> None:
+  """Sets each timed record's ``ratio`` to its median time over the fastest of ``peers`` in the
+  same case and dtype, and ``ratio_to`` to that peer's name. A case without a timed peer keeps
+  its ratios None."""
+  groups: dict[tuple[str, str], list[rec.Record]] = {}
+  for r in records:
+    groups.setdefault((r.case, r.dtype), []).append(r)
+  for group in groups.values():
+    timed = [r for r in group if r.impl in peers and r.time_ms]
+    if not timed:
+      continue
+    fastest = min(timed, key=lambda r: r.time_ms["median"])
+    names = [r.impl for r in timed]
+    source = (f"median time over the fastest of {', '.join(names)} in the same case"
+              if len(names) > 1 else f"median time over {names[0]}'s in the same case")
+    for r in group:
+      if r.time_ms:
+        r.ratio_to = fastest.impl
+        r.set("ratio", r.time_ms["median"] / fastest.time_ms["median"], source)
 
 
 def tokamax():
@@ -119,30 +343,33 @@ class Context:
 
   def time(self, candidates: Mapping[str, Callable[[], object]], *, warmup: int = 2,
            sync: Callable[[object], object] | None = None) -> dict[str, dict]:
-    """Interleaved median/min/max in ms for each candidate (shuffled rounds, after warm-up)."""
+    """Interleaved median/min/max in ms, and the rounds timed, for each candidate (shuffled
+    rounds, after warm-up)."""
     if not candidates:
       return {}
     timings = timing.interleaved(candidates, warmup=warmup, runs=self.n_runs,
                                  sync=sync or _sync_any, min_seconds=self.min_seconds)
-    return {name: t.as_dict() for name, t in timings.items()}
+    return {name: {**t.as_dict(), "runs": t.runs} for name, t in timings.items()}
 
   # Output ---------------------------------------------------------------------------------------
 
   def print_table(self, records: Sequence[rec.Record], title: str) -> None:
+    columns = rec.table_columns(records, rec.COLUMNS)
     try:
       from rich.console import Console
       from rich.table import Table
     except ImportError:
       print(title)
-      print(rec.markdown_table(records))
+      print(rec.markdown_table(records, columns))
       return
     table = Table(title=title)
-    for column in rec.COLUMNS:
-      table.add_column(column, justify="left" if column in ("case", "impl", "dtype") else "right")
+    for column in columns:
+      table.add_column(column, justify="left" if column in ("case", "impl", "dtype", "ratio to")
+                       else "right")
     from rich.markup import escape
 
     for r in records:
-      table.add_row(*(escape(cell) for cell in rec.row(r)))
+      table.add_row(*(escape(cell) for cell in rec.row(r, columns)))
     Console(width=200).print(table)
 
   def default_plot(self, records: Sequence[rec.Record], path: str) -> None:

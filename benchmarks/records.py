@@ -1,6 +1,7 @@
 """The benchmark record (one per case and implementation) and its table, JSON and README forms.
 
-Figures that do not apply or cannot be measured are None (null in JSON), never made up.
+Figures that do not apply or cannot be measured are None (null in JSON), never made up. Each
+record's ``sources`` says, per field, how its figure was produced.
 """
 
 from __future__ import annotations
@@ -8,51 +9,173 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+
+# How the figures that several suites share are produced (the ``sources`` of a record).
+XLA_BYTES_SOURCE = "XLA compiled cost analysis (jaxfuse.metrics.xla_cost)"
+TEMP_BYTES_SOURCE = "XLA compiled memory analysis, temp bytes (jaxfuse.metrics.compiled_memory)"
+KERNEL_BYTES_SOURCE = "kernel loads/stores counted over the grid (jaxfuse.metrics.bytes_moved)"
+JAX_RESIDUAL_SOURCE = "jax.vjp residuals (jaxfuse.metrics.residual_bytes)"
+TORCH_RESIDUAL_SOURCE = "autograd saved tensors (jaxfuse.metrics.torch_residual_bytes)"
+HAND_FORMULA_SOURCE = "modelled: hand formula"
 
 
 @dataclasses.dataclass
 class Record:
+  """One implementation in one case: its figures, and where each comes from.
+
+  Attributes:
+    suite: the suite that wrote the record (``seed``, ``norm``, ...).
+    case: the case, e.g. ``add_act[gelu] n=16777216 fwd+bwd``.
+    impl: ``jaxfuse-<implementation>``, ``jax-unfused``, ``jax-jit``, ``torch-eager``, ...
+    platform: ``cpu`` or ``gpu``.
+    dtype: the inputs' dtype.
+    time_ms: ``{"median", "min", "max"}`` in ms (and ``runs``, the timed rounds); None when
+      not timed.
+    ratio_to: the impl this row's median time is divided by.
+    ratio: this row's median time over ``ratio_to``'s.
+    residual_bytes: what the backward keeps beyond inputs and parameters.
+    bytes_moved: HBM bytes read + written by the kernels, counted from the kernels
+      (``jaxfuse.metrics.bytes_moved``) or, where ``sources`` says so, modelled.
+    xla_bytes_accessed: XLA's compiled cost analysis of the step (never in ``bytes_moved``).
+    temp_bytes: XLA's compiled temp memory of the step.
+    flops: FLOPs of one step, recomputation included.
+    peak_bytes: peak device memory, where it can be attributed to this row.
+    max_abs_err: largest output error against ``reference``.
+    max_grad_err: largest gradient error (inputs and parameters) against ``reference``.
+    reference: what the errors are taken against.
+    note: free text.
+    sources: field name -> how that figure was produced.
+  """
+
   suite: str
   case: str
   impl: str
   platform: str
   dtype: str
-  time_ms: dict | None = None          # {"median", "min", "max"} in ms; None when not timed.
-  ratio_to: str | None = None          # the impl this row's time is divided by
+  time_ms: dict | None = None
+  ratio_to: str | None = None
   ratio: float | None = None
-  residual_bytes: int | None = None    # kept for the backward beyond inputs and params
-  bytes_moved: int | None = None       # HBM bytes read + written by the kernels
+  residual_bytes: int | None = None
+  bytes_moved: int | None = None
+  xla_bytes_accessed: int | None = None
+  temp_bytes: int | None = None
   flops: float | None = None
   peak_bytes: int | None = None
-  max_abs_err: float | None = None     # output against `reference`
-  max_grad_err: float | None = None    # all gradients against `reference`
+  max_abs_err: float | None = None
+  max_grad_err: float | None = None
   reference: str | None = None
   note: str | None = None
+  sources: dict[str, str] | None = None
+
+  def set(self, field: str, value, source: str) -> None:
+    """Sets a figure and says where it comes from; a None value records no source."""
+    if field not in {f.name for f in dataclasses.fields(self)}:
+      raise ValueError(f"Record has no field {field!r}")
+    setattr(self, field, value)
+    if value is not None:
+      self.sources = {**(self.sources or {}), field: source}
+
+  def add_note(self, text: str | None) -> None:
+    """Appends ``text`` to the note (``; `` between parts)."""
+    if text:
+      self.note = f"{self.note}; {text}" if self.note else text
 
   def as_dict(self) -> dict:
     return dataclasses.asdict(self)
 
 
-def set_ratios(records: Sequence[Record], baseline: str) -> None:
-  """Sets ``ratio`` = median time / the ``baseline`` impl's median time within each case."""
-  by_case: dict[str, Record] = {r.case: r for r in records if r.impl == baseline and r.time_ms}
-  for r in records:
-    base = by_case.get(r.case)
-    if base is not None and r.time_ms:
-      r.ratio_to = baseline
-      r.ratio = r.time_ms["median"] / base.time_ms["median"]
-
-
 def write_json(records: Sequence[Record], path: str | Path) -> None:
   Path(path).parent.mkdir(parents=True, exist_ok=True)
-  Path(path).write_text(json.dumps([r.as_dict() for r in records], indent=1) + "\n")
+  text = json.dumps([r.as_dict() for r in records], indent=1, ensure_ascii=False)
+  Path(path).write_text(text + "\n", encoding="utf-8")
 
 
 def read_json(path: str | Path) -> list[Record]:
-  return [Record(**d) for d in json.loads(Path(path).read_text())]
+  """The records in a JSON file; those written before ``sources`` existed are upgraded."""
+  records = [Record(**d) for d in json.loads(Path(path).read_text(encoding="utf-8"))]
+  for r in records:
+    if r.sources is None:
+      _upgrade(r)
+  return records
+
+
+# Records written before ``sources`` ---------------------------------------------------------------
+
+_LEGACY = "recorded before per-row sources were kept"
+_LEGACY_SUFFIX = f" ({_LEGACY})"
+
+
+def _upgrade(r: Record) -> None:
+  """Moves the figures of a record written before ``sources`` existed to their fields now, and
+  says how that version of its suite produced each one (from the suite's code of that time)."""
+  if r.suite == "seed" and r.impl in ("jax-unfused", "jaxfuse-xla") and r.bytes_moved:
+    # The seed suite put XLA's cost analysis into bytes_moved for its XLA rows.
+    r.xla_bytes_accessed, r.bytes_moved = r.bytes_moved, None
+  sources: dict[str, str] = {}
+  if r.time_ms:
+    sources["time_ms"] = "median of interleaved rounds after warm-up"
+  if r.ratio is not None:
+    sources["ratio"] = (
+        "median time over the fastest of torch-eager, torch-compile and tokamax-xla in the "
+        "same case" if r.suite == "norm" else f"median time over {r.ratio_to}'s in the same case")
+  if r.residual_bytes is not None:
+    sources["residual_bytes"] = _legacy_residual_source(r)
+  if r.bytes_moved is not None:
+    sources["bytes_moved"] = _legacy_bytes_source(r)
+  if r.xla_bytes_accessed is not None:
+    sources["xla_bytes_accessed"] = XLA_BYTES_SOURCE
+  if r.flops is not None:
+    sources["flops"] = ("modelled: 14·T²·D per head, causal half" if r.suite == "attention"
+                        else "modelled: 6·N·D·V" if r.suite == "xent" else "modelled")
+  how = _legacy_error_source(r)
+  for field in ("max_abs_err", "max_grad_err"):
+    if getattr(r, field) is not None:
+      sources[field] = how
+  r.sources = {field: source + _LEGACY_SUFFIX for field, source in sources.items()}
+
+
+def _legacy_residual_source(r: Record) -> str:
+  if r.suite == "seed" and r.case.startswith("add_act"):
+    if r.impl == "jax-unfused":
+      return "modelled: n × itemsize (the sum a + b, kept for fn's backward)"
+    if r.impl in ("jaxfuse-pallas", "jaxfuse-triton"):
+      return "copied from the jaxfuse-xla row"
+    if r.impl == "jaxfuse-unfused":
+      return f"{JAX_RESIDUAL_SOURCE}, of add_act_unfused with the default implementation"
+  return TORCH_RESIDUAL_SOURCE if r.impl.startswith("torch") else JAX_RESIDUAL_SOURCE
+
+
+def _legacy_bytes_source(r: Record) -> str:
+  if r.impl == "jaxfuse-triton":
+    module = "elementwise" if r.suite == "seed" else "normalization"
+    return f"{HAND_FORMULA_SOURCE} (jaxfuse.kernels.triton.{module}.traffic_bytes)"
+  # jaxfuse.metrics.bytes_moved then summed the kernels' pl.CostEstimate, which each kernel
+  # wrapper derived from its block specs; the suites traced the kernels in interpret mode.
+  estimate = ("modelled: the kernels' cost estimates (pl.CostEstimate from their block specs, "
+              "interpret-mode tiles), summed by jaxfuse.metrics.bytes_moved")
+  if r.impl == "jax-unfused":
+    return f"{estimate}, of the same chain run as Pallas kernels"
+  return estimate
+
+
+def _legacy_error_source(r: Record) -> str:
+  note = r.note or ""
+  how = f"against {r.reference}"
+  if "interpret" in note and r.impl == "jaxfuse-triton":
+    how = f"Triton's interpreter {how}"
+  elif "interpret" in note:
+    how = f"Pallas interpret mode {how}"
+  if r.reference in ("torch-fp64", "torch-float64"):
+    # The harness then rounded every torch result to float32 before taking differences.
+    how += ", the reference rounded to float32 first (errors below its resolution read 0)"
+  return how
+
+
+# Text forms -------------------------------------------------------------------------------------
 
 
 def format_bytes(n: int | None) -> str:
@@ -70,6 +193,10 @@ def format_time(t: dict | None) -> str:
   return f"{t['median']:.2f} ({t['min']:.2f}–{t['max']:.2f})"
 
 
+def format_median(t: dict | None) -> str:
+  return f"{t['median']:.2f}" if t else "—"
+
+
 def format_err(e: float | None) -> str:
   if e is None:
     return "—"
@@ -84,41 +211,160 @@ def format_ratio(r: Record) -> str:
   return f"{r.ratio:.2f}×"
 
 
+# Column name -> the cell of a record.
+CELLS: dict[str, Callable[[Record], str]] = {
+    "case": lambda r: r.case,
+    "impl": lambda r: r.impl,
+    "dtype": lambda r: r.dtype,
+    "time ms (min–max)": lambda r: format_time(r.time_ms),
+    "median ms": lambda r: format_median(r.time_ms),
+    "ratio": format_ratio,
+    "ratio to": lambda r: r.ratio_to or "—",
+    "residual": lambda r: format_bytes(r.residual_bytes),
+    "bytes moved": lambda r: format_bytes(r.bytes_moved),
+    "XLA bytes": lambda r: format_bytes(r.xla_bytes_accessed),
+    "max err": lambda r: format_err(r.max_abs_err),
+    "max grad err": lambda r: format_err(r.max_grad_err),
+}
 COLUMNS = ("case", "impl", "dtype", "time ms (min–max)", "ratio", "residual", "bytes moved",
-           "max err", "max grad err")
+           "XLA bytes", "max err", "max grad err")
+HEADLINE_COLUMNS = ("case", "impl", "dtype", "median ms", "ratio", "residual", "bytes moved",
+                    "max grad err")
 
 
-def row(r: Record) -> list[str]:
-  return [r.case, r.impl, r.dtype, format_time(r.time_ms), format_ratio(r),
-          format_bytes(r.residual_bytes), format_bytes(r.bytes_moved), format_err(r.max_abs_err),
-          format_err(r.max_grad_err)]
+def row(r: Record, columns: Sequence[str] = COLUMNS) -> list[str]:
+  return [CELLS[column](r) for column in columns]
 
 
-def markdown_table(records: Sequence[Record]) -> str:
-  lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-  lines += ["| " + " | ".join(row(r)) + " |" for r in records]
+def markdown_table(records: Sequence[Record], columns: Sequence[str] = COLUMNS) -> str:
+  lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+  lines += ["| " + " | ".join(row(r, columns)) + " |" for r in records]
   return "\n".join(lines)
 
 
-def update_readme(path: str | Path, suite: str, records: Sequence[Record], command: str) -> bool:
-  """Replaces the README block between ``<!-- bench:SUITE:start -->`` and ``...:end -->``.
+def sources_list(records: Sequence[Record]) -> str:
+  """Markdown bullets: each field's distinct sources, with the impls they apply to."""
+  by_field: dict[str, dict[str, list[str]]] = {}
+  for r in records:
+    for field, source in (r.sources or {}).items():
+      source = source.removesuffix(_LEGACY_SUFFIX)
+      impls = by_field.setdefault(field, {}).setdefault(source, [])
+      if r.impl not in impls:
+        impls.append(r.impl)
+  order = [f.name for f in dataclasses.fields(Record)]
+  lines = []
+  for field in sorted(by_field, key=lambda f: order.index(f) if f in order else len(order)):
+    for source, impls in by_field[field].items():
+      lines.append(f"- `{field}` ({', '.join(impls)}): {source}")
+  return "\n".join(lines)
+
+
+def default_headline(records: Sequence[Record]) -> list[Record]:
+  """The rows of the main case: the one with the most timed rows (the last of equals)."""
+  timed: dict[tuple[str, str], int] = {}
+  for r in records:
+    key = (r.case, r.dtype)
+    timed[key] = timed.get(key, 0) + (1 if r.time_ms else 0)
+  if not timed:
+    return []
+  most = max(timed.values())
+  main = [key for key, count in timed.items() if count == most][-1]
+  return [r for r in records if (r.case, r.dtype) == main]
+
+
+def _baselines(records: Sequence[Record]) -> list[str]:
+  return list(dict.fromkeys(r.ratio_to for r in records if r.ratio_to))
+
+
+def table_columns(records: Sequence[Record], columns: Sequence[str]) -> list[str]:
+  """``columns`` for these records: with ``ratio to`` after ``ratio`` where rows are compared
+  with different impls, and without ``dtype`` where every row has the same."""
+  out = list(columns)
+  if len(_baselines(records)) > 1 and "ratio" in out and "ratio to" not in out:
+    out.insert(out.index("ratio") + 1, "ratio to")
+  if len({r.dtype for r in records}) == 1 and "dtype" in out:
+    out.remove("dtype")
+  return out
+
+
+def _summary(records: Sequence[Record], origin: str) -> str:
+  platform = records[0].platform if records else "?"
+  dtypes = list(dict.fromkeys(r.dtype for r in records))
+  text = f"{origin} on {platform}" + (f", {dtypes[0]}." if len(dtypes) == 1 else ".")
+  baselines = _baselines(records)
+  if len(baselines) == 1:
+    text += f" Ratios are to {baselines[0]} in the same case, timed interleaved."
+  elif baselines:
+    text += (" Ratios are to the `ratio to` row of the same case, timed interleaved "
+             "(which one and why: `sources`).")
+  references = list(dict.fromkeys(r.reference for r in records if r.reference))
+  return text + f" Errors are against {', '.join(references) or 'nothing'}."
+
+
+def table_block(records: Sequence[Record], origin: str) -> str:
+  """The full table of a suite, then where each figure comes from."""
+  columns = table_columns(records, COLUMNS)
+  text = f"{_summary(records, origin)}\n\n{markdown_table(records, columns)}\n"
+  sources = sources_list(records)
+  if sources:
+    text += f"\nWhere the figures come from:\n\n{sources}\n"
+  if _predate_sources(records):
+    text += ("\nThese records predate per-row sources: the sources above are those of the "
+             "suite's code when the records were made.\n")
+  return text
+
+
+def _predate_sources(records: Sequence[Record]) -> bool:
+  return any(source.endswith(_LEGACY_SUFFIX)
+             for r in records for source in (r.sources or {}).values())
+
+
+def headline_block(records: Sequence[Record], origin: str, link: str | None = None) -> str:
+  """A short table of a suite's headline rows, and a link to the full table."""
+  columns = table_columns(records, HEADLINE_COLUMNS)
+  text = f"{_summary(records, origin)}\n\n{markdown_table(records, columns)}\n"
+  if link:
+    text += f"\nAll cases, every figure and its source: [{link}]({link})."
+    if _predate_sources(records):
+      text += (" These records predate per-row sources; the sources there say how the suite "
+               "produced each figure then.")
+    text += "\n"
+  return text
+
+
+def markers(suite: str, part: str | None = None) -> tuple[str, str]:
+  """The README markers of a suite's block: ``<!-- bench:SUITE[:PART]:start -->`` and end."""
+  key = f"bench:{suite}" + (f":{part}" if part else "")
+  return f"<!-- {key}:start -->", f"<!-- {key}:end -->"
+
+
+def replace_block(path: str | Path, suite: str, body: str, part: str | None = None) -> bool:
+  """Replaces the text between a suite's markers in ``path`` with ``body``.
 
   Returns False (and leaves the file alone) when the markers are missing.
   """
   path = Path(path)
-  text = path.read_text()
-  start, end = f"<!-- bench:{suite}:start -->", f"<!-- bench:{suite}:end -->"
+  text = path.read_text(encoding="utf-8")
+  start, end = markers(suite, part)
   pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.S)
   if not pattern.search(text):
     return False
-  platform = records[0].platform if records else "?"
-  ratio_note = ""
-  baselines = sorted({r.ratio_to for r in records if r.ratio_to})
-  if baselines:
-    ratio_note = f" Ratios are to {', '.join(baselines)} in the same case, timed interleaved."
-  references = sorted({r.reference for r in records if r.reference})
-  block = (f"{start}\nGenerated by `{command}` on {platform}.{ratio_note} "
-           f"Errors are against {', '.join(references) or 'nothing'}.\n\n"
-           f"{markdown_table(records)}\n{end}")
-  path.write_text(pattern.sub(lambda _: block, text))
+  block = f"{start}\n{body.rstrip()}\n{end}"
+  path.write_text(pattern.sub(lambda _: block, text), encoding="utf-8")
   return True
+
+
+def update_readme(path: str | Path, suite: str, records: Sequence[Record], origin: str) -> bool:
+  """Writes the suite's full table between ``<!-- bench:SUITE:start -->`` and ``...:end -->``."""
+  return replace_block(path, suite, table_block(records, origin))
+
+
+def update_headline(path: str | Path, suite: str, records: Sequence[Record], origin: str,
+                    full_table: str | Path | None = None) -> bool:
+  """Writes the headline rows between ``<!-- bench:SUITE:headline:start -->`` and its end,
+  with a link (relative to ``path``) to the file holding the full table."""
+  link = None
+  if full_table is not None:
+    link = Path(os.path.relpath(Path(full_table).resolve(), Path(path).resolve().parent))
+    link = link.as_posix()
+  return replace_block(path, suite, headline_block(records, origin, link), part="headline")

@@ -64,12 +64,29 @@ def test_torch_residual_bytes_dedupes_storage_and_excludes_inputs():
 def test_bytes_moved_sums_the_kernels_and_none_without_kernels():
   a = jnp.ones((1000,))
   assert metrics.bytes_moved(lambda a: a * 2, a) is None
-  with jaxfuse.pallas_interpret():
-    f = lambda a, b: jaxfuse.ops.add_act(a, b, "relu", implementation="pallas")  # noqa: E731
-    step = jax.jit(jax.value_and_grad(lambda a, b: jnp.sum(f(a, b)), (0, 1)))
-    costs = metrics.kernel_costs(step, a, a)
+  f = lambda a, b: jaxfuse.ops.add_act(a, b, "relu", implementation="pallas")  # noqa: E731
+  step = jax.jit(jax.value_and_grad(lambda a, b: jnp.sum(f(a, b)), (0, 1)))
+  costs = metrics.kernel_costs(step, a, a)  # traced for a GPU: no interpret mode needed
   assert [c.name for c in costs] == ["add_act_fwd", "add_act_bwd"]
+  assert [(c.reads, c.writes, c.exact) for c in costs] == [(8000, 4000, True),
+                                                          (12000, 4000, True)]
   assert [c.bytes_accessed for c in costs] == [3 * 4000, 4 * 4000]
+  assert metrics.bytes_moved(step, a, a) == 7 * 4000
+  # The forward's operands: a and b read once, the output written once.
+  assert [(o.role, o.reads, o.writes) for o in costs[0].operands] == [
+      ("input", 4000, 0), ("input", 4000, 0), ("output", 0, 4000)]
+
+
+def test_kernel_costs_can_trace_for_the_current_platform():
+  a = jnp.ones((100_000,))
+  f = lambda a, b: jaxfuse.ops.add_act(a, b, "relu", implementation="pallas")  # noqa: E731
+  with jaxfuse.pallas_interpret():
+    here = metrics.kernel_traffic(f, a, a)  # traced as is: interpret mode's bigger blocks
+    with jaxfuse.ops.dispatch.target_platform("gpu"):
+      gpu = metrics.kernel_traffic(f, a, a)
+    costs = metrics.kernel_costs(f, a, a, platform=None)
+  assert (here[0].programs, gpu[0].programs) == (2, 49)
+  assert here[0].bytes == gpu[0].bytes == costs[0].bytes_accessed == 3 * a.nbytes
 
 
 def test_xla_cost_reports_bytes():

@@ -68,8 +68,3 @@ def test_swiglu_low_precision_within_twice_torch_error(dtype, packed):
   for x, e, t, what in zip(got, exact, low, ("out", "grad a", "grad b")):
     assert x.dtype == dtype
     helpers.assert_within_low_precision_error(x, e, t, what=what)
-
-
-def test_traffic_is_three_arrays_forward_five_backward():
-  assert kernels.traffic_bytes(10, 100, 4) == 3 * 4000
-  assert kernels.traffic_bytes(10, 100, 2, backward=True) == 5 * 2000

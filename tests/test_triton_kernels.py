@@ -59,8 +59,3 @@ def test_low_precision_within_twice_torch_error(act, dtype):
   low = _torch(a, b, g, act)
   helpers.assert_within_low_precision_error(out, exact[0], low[0], what=f"{act} out")
   helpers.assert_within_low_precision_error(grad, exact[1], low[1], what=f"{act} grad")
-
-
-def test_traffic_is_three_arrays_forward_four_backward():
-  assert kernels.traffic_bytes(1000, 4) == 3 * 4000
-  assert kernels.traffic_bytes(1000, 2, backward=True) == 4 * 2000

@@ -101,10 +101,3 @@ def test_low_precision_within_twice_torch_error(dtype):
 def test_rejects_rows_longer_than_one_block():
   with pytest.raises(ValueError, match=r"hidden size of at most 32768, got 32769"):
     kernels.block_for(kernels.MAX_HIDDEN + 1)
-
-
-def test_traffic():
-  assert kernels.traffic_bytes(10, 64, 4) == 2 * 10 * 64 * 4 + 64 * 4 + 4 * 10
-  programs, _ = kernels.backward_grid(10)
-  assert kernels.traffic_bytes(10, 64, 2, backward=True) == (
-      3 * 10 * 64 * 2 + 64 * 2 + 4 * 10 + 4 * programs * 64)

@@ -6,8 +6,10 @@ timed interleaved with the others. ``residual_bytes`` is what the backward keeps
 v; errors are against torch's ``scaled_dot_product_attention`` in the same dtype. FLOPs count
 the causal half once: 4·T²·D per head forward (two matmuls) and 10·T²·D backward (five),
 halved. On CPU the Pallas kernels run only in interpret mode: their row has no time, its
-``bytes_moved`` comes from the kernels' cost estimates at the full shape and its errors from an
-interpret-mode run at a small shape.
+``bytes_moved`` is counted by ``jaxfuse.metrics.bytes_moved`` at the full shape and its errors
+come from an interpret-mode run at a small shape. Timed JAX rows also carry XLA's cost analysis
+(``xla_bytes_accessed``) and compiled temp memory (``temp_bytes``) of their step; each record's
+``sources`` says how each of its figures was produced.
 """
 
 from __future__ import annotations
@@ -20,9 +22,9 @@ import numpy as np
 
 import jaxfuse
 from benchmarks import harness
-from benchmarks.harness import Context, max_abs_err
-from benchmarks.records import Record, set_ratios
-from jaxfuse.metrics import bytes_moved, residual_bytes, torch_residual_bytes
+from benchmarks import records as rec
+from benchmarks.harness import Context
+from benchmarks.records import Record
 from jaxfuse.ops import attention, attention_reference
 
 HEADS, HEAD_DIM, BATCH = 8, 64, 1
@@ -36,6 +38,8 @@ QUICK_SLOW_MAX_T = 1024
 GPU_XLA_MAX_T = 2048
 SMALL_PALLAS = dict(t=128, heads=2)   # the interpret-mode run on CPU
 FP32_RTOL, FP32_ATOL = 1e-5, 1e-5
+REFERENCE = "torch-sdpa"
+FLOPS_SOURCE = "modelled: 14·T²·D per head (4 forward, 10 backward), the causal half"
 
 
 def flops(t: int, causal: bool = True) -> float:
@@ -44,51 +48,31 @@ def flops(t: int, causal: bool = True) -> float:
   return BATCH * HEADS * per_head * (0.5 if causal else 1.0)
 
 
-def _torch_device():
-  import torch
-
-  return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 class _Torch:
-  """torch SDPA on [b, h, t, d] leaf tensors holding the same values as the JAX inputs."""
+  """torch SDPA on [b, h, t, d] tensors holding the same values as the JAX inputs."""
 
   def __init__(self, q, k, v, g):
+    self.args = [harness.to_torch(x).transpose(1, 2).contiguous() for x in (q, k, v)]
+    self.g = harness.to_torch(g).transpose(1, 2).contiguous()
+    self._step = harness.torch_step(self.forward)
+
+  @staticmethod
+  def forward(q, k, v):
     import torch
 
-    self.torch = torch
-    device = _torch_device()
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-    def leaf(x, grad):
-      t = torch.from_numpy(np.array(x.astype(jnp.float32))).to(device)
-      t = t.to(dtypes[jnp.dtype(x.dtype).name]).transpose(1, 2).contiguous()
-      return t.requires_grad_(grad)
-
-    self.q, self.k, self.v = (leaf(x, True) for x in (q, k, v))
-    self.g = leaf(g, False)
-
-  def forward(self):
-    return self.torch.nn.functional.scaled_dot_product_attention(self.q, self.k, self.v,
-                                                                is_causal=True)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
 
   def step(self):
-    for t in (self.q, self.k, self.v):
-      t.grad = None
-    out = self.forward()
-    out.backward(self.g)
-    if self.q.is_cuda:
-      self.torch.cuda.synchronize()
-    return out
+    return self._step(self.args, self.g)
 
   def results(self):
-    """Output and grads in the JAX layout ([b, t, h, d]), as numpy float64."""
-    out = self.step()
-    return [x.detach().transpose(1, 2).double().cpu().numpy()
-            for x in (out, self.q.grad, self.k.grad, self.v.grad)]
+    """Output and grads in the JAX layout ([b, t, h, d]), as one step's (outputs, gradients)."""
+    out, grads = self.step()
+    out, *grads = (harness.to_numpy(x.transpose(1, 2)) for x in (out, *grads))
+    return out, grads
 
   def residual_bytes(self):
-    return torch_residual_bytes(lambda: self.forward().sum(), exclude=[self.q, self.k, self.v])
+    return harness.torch_residual_bytes(self.forward, self.args)
 
 
 # On CPUs the wall time of torch's kernel comes from all cores (OpenMP), while XLA runs the tiled
@@ -106,25 +90,17 @@ def _cpu_time_ms(fn, runs: int = 3) -> float:
   return best
 
 
-def _jax_step(fn):
-  """jit(inputs, cotangent -> (output, dq, dk, dv))."""
-  def step(q, k, v, g):
-    out, vjp = jax.vjp(fn, q, k, v)
-    return (out, *vjp(g))
-
-  return jax.jit(step)
-
-
 def _inputs(t, heads, dtype, seed=0):
   keys = jax.random.split(jax.random.key(seed), 4)
   return [jax.random.normal(key, (BATCH, t, heads, HEAD_DIM)).astype(dtype) for key in keys]
 
 
 def _errors(got, want):
-  out_err = max_abs_err([got[0]], [want[0]])
-  grad_err = max_abs_err(list(got[1:]), list(want[1:]))
-  within = all(np.allclose(np.asarray(x, np.float64), y, rtol=FP32_RTOL, atol=FP32_ATOL)
-               for x, y in zip(got, want))
+  """Output and gradient errors of one step against torch's, and whether all are within the
+  float32 tolerance."""
+  out_err, grad_err = harness.errors(got, want)
+  within = all(np.allclose(harness.to_numpy(x), y, rtol=FP32_RTOL, atol=FP32_ATOL)
+               for x, y in zip([got[0], *got[1]], [want[0], *want[1]]))
   return out_err, grad_err, within
 
 
@@ -186,11 +162,18 @@ def _pallas_cpu_errors() -> tuple[float | None, float | None, bool | None, str]:
   t, heads = SMALL_PALLAS["t"], SMALL_PALLAS["heads"]
   q, k, v, g = _inputs(t, heads, jnp.float32, seed=1)
   with jaxfuse.pallas_interpret():
-    got = _jax_step(lambda q, k, v: attention(q, k, v, causal=True,
-                                              implementation="pallas"))(q, k, v, g)
+    got = harness.jax_step(_pallas_attention)((q, k, v), g)
   want = _Torch(q, k, v, g).results()
   out_err, grad_err, within = _errors(got, want)
   return out_err, grad_err, within, f"interpret mode at T={t} H={heads}"
+
+
+def _pallas_attention(q, k, v):
+  return attention(q, k, v, causal=True, implementation="pallas")
+
+
+def _failure(e: Exception) -> str:
+  return f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
 
 
 def run(ctx: Context) -> list[Record]:
@@ -206,64 +189,67 @@ def run(ctx: Context) -> list[Record]:
   for t in (QUICK_LENGTHS if ctx.quick else FULL_LENGTHS):
     case = f"causal T={t} H={HEADS} D={HEAD_DIM}"
     q, k, v, g = _inputs(t, HEADS, dtype)
+    args = (q, k, v)
     ref = _Torch(q, k, v, g)
     ctx.step(f"{case}: torch reference")
     want = ref.results()
-    case_flops = flops(t)
+    error_source = f"the timed step's own outputs against {REFERENCE}"
 
-    def record(impl, **kw):
-      rec = Record(suite="attention", case=case, impl=impl, platform=ctx.platform,
-                   dtype=dtype_name, flops=case_flops, reference="torch-sdpa", **kw)
-      records.append(rec)
-      return rec
+    def record(impl, residual=None, residual_source=rec.JAX_RESIDUAL_SOURCE, note=None):
+      r = Record(suite="attention", case=case, impl=impl, platform=ctx.platform,
+                 dtype=dtype_name, reference=REFERENCE, note=note)
+      r.set("flops", flops(t), FLOPS_SOURCE)
+      r.set("residual_bytes", residual, residual_source)
+      records.append(r)
+      return r
 
     candidates = _candidates(ctx, t)
     timers = {"torch-sdpa": ref.step}
-    rows = {"torch-sdpa": record("torch-sdpa", residual_bytes=ref.residual_bytes(),
+    rows = {"torch-sdpa": record("torch-sdpa", ref.residual_bytes(), rec.TORCH_RESIDUAL_SOURCE,
                                  note="torch.nn.functional.scaled_dot_product_attention")}
+    steps = {}
     for name, (fn, note) in candidates.items():
       ctx.step(f"{case}: {name}")
-      loss = lambda q, k, v, fn=fn: jnp.sum(fn(q, k, v).astype(jnp.float32))  # noqa: E731
       notes = [n for n in (note,) if n]
       try:
-        kept = residual_bytes(loss, q, k, v)
+        kept = harness.residual_bytes(fn, args)
       except Exception as e:  # noqa: BLE001 - a peer that cannot run here is reported, not fatal.
-        record(name, note=f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+        record(name, note=_failure(e))
         continue
       if not _timed(ctx, name, t):
         limit = GPU_XLA_MAX_T if ctx.platform == "gpu" else QUICK_SLOW_MAX_T
         notes.append(f"not run above T={limit}{'' if ctx.platform == 'gpu' else ' in --quick'} "
                      f"(slow here); residual bytes from its trace")
-        record(name, residual_bytes=kept, note="; ".join(notes))
+        record(name, kept, note="; ".join(notes))
         continue
-      step = _jax_step(fn)
+      step = harness.jax_step(fn)
       try:
-        got = step(q, k, v, g)
+        got = step(args, g)
       except Exception as e:  # noqa: BLE001
-        record(name, note=f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+        record(name, note=_failure(e))
         continue
       out_err, grad_err, within = _errors(got, want)
       if dtype == jnp.float32 and name.startswith("jaxfuse"):
         notes.append(f"grads {'within' if within else 'NOT within'} rtol={FP32_RTOL:g} "
                      f"atol={FP32_ATOL:g} of torch")
-      moved = bytes_moved(step, q, k, v, g) if name == "jaxfuse-pallas" else None
-      rows[name] = record(name, residual_bytes=kept, bytes_moved=moved, max_abs_err=out_err,
-                          max_grad_err=grad_err, note="; ".join(notes) or None)
-      timers[name] = lambda step=step: step(q, k, v, g)
+      r = rows[name] = record(name, kept, note="; ".join(notes) or None)
+      harness.set_errors(r, (out_err, grad_err), error_source)
+      if name == "jaxfuse-pallas":
+        r.set("bytes_moved", harness.step_bytes_moved(fn, args, g), rec.KERNEL_BYTES_SOURCE)
+      steps[name] = step
+      timers[name] = lambda step=step: step(args, g)
 
     if pallas_small is not None:
       out_err, grad_err, within, where = pallas_small
-      pallas = lambda q, k, v: jnp.sum(attention(q, k, v, causal=True,  # noqa: E731
-                                                 implementation="pallas"))
-      with jaxfuse.pallas_interpret():
-        kept = residual_bytes(pallas, q, k, v)
-        moved = bytes_moved(_jax_step(lambda q, k, v: attention(
-            q, k, v, causal=True, implementation="pallas")), q, k, v, g)
-      record("jaxfuse-pallas", residual_bytes=kept, bytes_moved=moved, max_abs_err=out_err,
-             max_grad_err=grad_err,
-             note=(f"not timed: no GPU, Pallas runs only in interpret mode here; errors from "
-                   f"{where} (grads {'within' if within else 'NOT within'} rtol={FP32_RTOL:g} "
-                   f"atol={FP32_ATOL:g}); bytes_moved from the kernels' cost estimates"))
+      with jaxfuse.pallas_interpret():  # traced, never run
+        kept = harness.residual_bytes(_pallas_attention, args)
+      moved = harness.step_bytes_moved(_pallas_attention, args, g)
+      r = record("jaxfuse-pallas", kept, f"{rec.JAX_RESIDUAL_SOURCE} (traced in interpret mode)",
+                 note=(f"not timed: no GPU, Pallas runs only in interpret mode here; errors from "
+                       f"{where} (grads {'within' if within else 'NOT within'} "
+                       f"rtol={FP32_RTOL:g} atol={FP32_ATOL:g})"))
+      r.set("bytes_moved", moved, rec.KERNEL_BYTES_SOURCE)
+      harness.set_errors(r, (out_err, grad_err), f"Pallas {where} against {REFERENCE}")
     for name, note in _skipped_notes(t):
       record(name, note=note)
 
@@ -271,13 +257,21 @@ def run(ctx: Context) -> list[Record]:
     times = ctx.time(timers)
     cpu_ms = {name: _cpu_time_ms(timers[name]) for name in CPU_TIMED if name in timers}
     for name, t_ms in times.items():
-      rows[name].time_ms = t_ms
-      tflops = case_flops / (t_ms["median"] * 1e-3) / 1e12
+      rows[name].set("time_ms", t_ms, harness.time_source(t_ms))
+      tflops = flops(t) / (t_ms["median"] * 1e-3) / 1e12
       cpu = (f"process CPU time {cpu_ms[name]:.0f} ms per step (all threads)"
              if name in cpu_ms and ctx.platform == "cpu" else None)
       rows[name].note = "; ".join(n for n in (f"{tflops:.3f} TFLOP/s", cpu, rows[name].note) if n)
-  set_ratios(records, "torch-sdpa")
+    for name, step in steps.items():
+      ctx.step(f"{case}: {name} compiled figures")
+      harness.record_compiled_figures(rows[name], step, args, g)
+  harness.ratio_to_fastest(records, (REFERENCE,))
   return records
+
+
+def headline(records) -> list[Record]:
+  """Per length, torch SDPA and jaxfuse's rows."""
+  return [r for r in records if r.impl == REFERENCE or r.impl.startswith("jaxfuse-")]
 
 
 def plot(records, path: str) -> None:
@@ -319,4 +313,4 @@ def plot(records, path: str) -> None:
   plt.close(fig)
 
 
-__all__ = ["flops", "plot", "run"]
+__all__ = ["flops", "headline", "plot", "run"]

@@ -7,14 +7,18 @@ gradients, or one torch autograd step), interleaved across implementations:
 
 - ``jaxfuse-xla`` and, where it compiles (GPUs), ``jaxfuse-pallas`` / ``jaxfuse-triton``;
 - ``jax-unfused``: the plain jnp chain, differentiated by JAX;
-- ``torch-eager`` and ``torch-compile``;
+- ``torch-eager`` and ``torch-compile`` (``torch.compile`` of the function, autograd's backward
+  through it);
 - ``tokamax-xla``: ``tokamax.gated_linear_unit`` in the GatedMLP case (tokamax has no standalone
   softmax, bias + activation or elementwise GLU).
 
 ``ratio`` is the median time over the fastest of torch eager, torch.compile and tokamax in the
 same case. On CPU, Pallas rows are not timed (interpret mode is for tests): they report the
 kernels' ``bytes_moved`` at the benchmark shape and errors from an interpret-mode run at a
-reduced row count (said in ``note``). Errors are against torch eager in the same dtype.
+reduced row count (said in ``note``). Errors are against torch eager in the same dtype. In the
+GatedMLP case every candidate's matmuls run at ``Precision.HIGHEST`` (torch's float32 matmuls
+are full precision on CPU). Each record's ``sources`` says how each of its figures was
+produced.
 """
 
 from __future__ import annotations
@@ -25,17 +29,17 @@ from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import jaxfuse
 from benchmarks import harness
+from benchmarks import records as records_lib
 from benchmarks.records import Record
-from jaxfuse.metrics import bytes_moved, residual_bytes, torch_residual_bytes
 from jaxfuse.ops import activations, bias_act, glu, softmax
 from jaxfuse.remat import mlp as blocks
 
 SUITE = "norm"
 PEERS = ("torch-eager", "torch-compile", "tokamax-xla")
+REFERENCE = "torch-eager"
 # Rows of the reduced shape at which Pallas kernels run in interpret mode on CPU.
 INTERPRET_ROWS = 64
 
@@ -54,127 +58,68 @@ class Case:
   notes: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
-def _torch():
-  import torch
-
-  return torch
-
-
-def _device():
-  torch = _torch()
-  return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _to_torch(x, requires_grad=False):
-  torch = _torch()
-  x = jnp.asarray(x)
-  if x.dtype == jnp.bfloat16:
-    t = torch.from_numpy(np.asarray(x.astype(jnp.float32))).to(torch.bfloat16)
-  else:
-    t = torch.from_numpy(np.array(x))
-  return t.to(_device()).requires_grad_(requires_grad)
-
-
 def _cotangent(y):
   return jax.random.normal(jax.random.key(99), y.shape, jnp.float32).astype(y.dtype)
 
 
-def _jax_step(f, n_diff, g):
-  """jit: inputs -> (output, gradients of the first n_diff inputs)."""
-
-  def step(*args):
-    diff, rest = args[:n_diff], args[n_diff:]
-    y, vjp = jax.vjp(lambda *d: f(*d, *rest), *diff)
-    return y, vjp(g)
-
-  return jax.jit(step)
-
-
-def _torch_step(fn, n_diff, g):
-  torch = _torch()
-
-  def step(*args):
-    diff = [a.detach().requires_grad_() for a in args[:n_diff]]
-    y = fn(*diff, *args[n_diff:])
-    return y, torch.autograd.grad(y, diff, g)
-
-  return step
-
-
-def _sync(out):
-  if any(hasattr(x, "detach") for x in jax.tree_util.tree_leaves(out)):
-    return harness.torch_sync(out)
-  return jax.block_until_ready(out)
-
-
-def _errors(got, want) -> tuple[float, float]:
-  y, grads = got
-  ty, tgrads = want
-  return harness.max_abs_err([y], [ty]), harness.max_abs_err(list(grads), list(tgrads))
-
-
-def _residual_bytes(f, inputs, n_diff):
-  rest = inputs[n_diff:]
-  return residual_bytes(lambda *d: f(*d, *rest), *inputs[:n_diff])
-
-
 def run_case(ctx, case: Case, dtype) -> list[Record]:
-  torch = _torch()
+  import torch
+
   ctx.step(f"{case.name}: inputs")
   inputs = case.make_inputs(case.rows)
-  y0 = case.jax_fns["jaxfuse-xla"](*inputs)
-  g = _cotangent(y0)
-  tg = _to_torch(g)
-  t_inputs = [_to_torch(x) for x in inputs]
-  platform = ctx.platform
+  g = _cotangent(case.jax_fns["jaxfuse-xla"](*inputs))
+  tg = harness.to_torch(g)
+  t_inputs = [harness.to_torch(x) for x in inputs]
   dt = jnp.dtype(dtype).name
 
   timed: dict[str, Callable] = {}
+  steps: dict[str, Callable] = {}
   outputs: dict[str, object] = {}
   for impl, f in case.jax_fns.items():
     native = impl in ("jaxfuse-xla", "jax-unfused", "tokamax-xla") or ctx.native(
         impl.removeprefix("jaxfuse-"))
     if not native:
       continue
-    step = _jax_step(f, case.n_diff, g)
+    steps[impl] = step = harness.jax_step(f, n_diff=case.n_diff)
     ctx.step(f"{case.name}: compile {impl}")
-    outputs[impl] = step(*inputs)
-    timed[impl] = (lambda step: lambda: step(*inputs))(step)
-  eager = _torch_step(case.torch_fn, case.n_diff, tg)
+    outputs[impl] = step(inputs, g)
+    timed[impl] = (lambda step: lambda: step(inputs, g))(step)
   ctx.step(f"{case.name}: torch.compile")
-  compiled = torch.compile(eager)
-  for impl, step in (("torch-eager", eager), ("torch-compile", compiled)):
-    outputs[impl] = step(*t_inputs)
-    timed[impl] = (lambda step: lambda: step(*t_inputs))(step)
+  torch_fns = {"torch-eager": case.torch_fn, "torch-compile": torch.compile(case.torch_fn)}
+  for impl, fn in torch_fns.items():
+    step = harness.torch_step(fn, n_diff=case.n_diff)
+    outputs[impl] = step(t_inputs, tg)
+    timed[impl] = (lambda step: lambda: step(t_inputs, tg))(step)
 
   ctx.step(f"{case.name}: timing {len(timed)} implementations")
-  times = ctx.time(timed, warmup=1, sync=_sync)
-  peers = {impl: times[impl]["median"] for impl in PEERS if impl in times}
-  fastest = min(peers, key=peers.get)
+  times = ctx.time(timed, warmup=1)
 
   records = []
   reference = outputs["torch-eager"]
   for impl in [*case.jax_fns, "torch-eager", "torch-compile"]:
-    rec = Record(suite=SUITE, case=case.name, impl=impl, platform=platform, dtype=dt,
-                 reference="torch-eager", note=case.notes.get(impl))
-    if impl in times:
-      rec.time_ms = times[impl]
-      rec.ratio_to = fastest
-      rec.ratio = times[impl]["median"] / peers[fastest]
+    rec = Record(suite=SUITE, case=case.name, impl=impl, platform=ctx.platform, dtype=dt,
+                 reference=REFERENCE, note=case.notes.get(impl))
+    rec.set("time_ms", times.get(impl), harness.time_source(times.get(impl)))
     if impl in outputs and impl != "torch-eager":
-      rec.max_abs_err, rec.max_grad_err = _errors(outputs[impl], reference)
+      harness.set_errors(rec, harness.errors(outputs[impl], reference),
+                  f"the timed step's own outputs against {REFERENCE}")
+    ctx.step(f"{case.name}: {impl} residuals")
     if impl.startswith("torch"):
-      ctx.step(f"{case.name}: torch residuals")
-      diff = [t.detach().requires_grad_() for t in t_inputs[:case.n_diff]]
-      rec.residual_bytes = torch_residual_bytes(
-          lambda: case.torch_fn(*diff, *t_inputs[case.n_diff:]), exclude=t_inputs + diff)
+      rec.set("residual_bytes",
+              harness.torch_residual_bytes(torch_fns[impl], t_inputs, n_diff=case.n_diff),
+              records_lib.TORCH_RESIDUAL_SOURCE)
     else:
-      ctx.step(f"{case.name}: {impl} residuals")
       with jaxfuse.pallas_interpret(not ctx.native("pallas")):  # traced only, never run
-        rec.residual_bytes = _residual_bytes(case.jax_fns[impl], inputs, case.n_diff)
+        rec.set("residual_bytes",
+                harness.residual_bytes(case.jax_fns[impl], inputs, n_diff=case.n_diff),
+                records_lib.JAX_RESIDUAL_SOURCE)
+    if impl in steps:
+      ctx.step(f"{case.name}: {impl} compiled figures")
+      harness.record_compiled_figures(rec, steps[impl], inputs, g)
     if impl == "jaxfuse-pallas" or impl == "jaxfuse-triton":
       _kernel_figures(ctx, case, impl, rec, inputs, g)
     records.append(rec)
+  harness.ratio_to_fastest(records, PEERS)
   return records
 
 
@@ -183,26 +128,24 @@ def _kernel_figures(ctx, case, impl, rec, inputs, g):
   f = case.jax_fns[impl]
   if impl == "jaxfuse-pallas":
     ctx.step(f"{case.name}: Pallas bytes moved")
-    with jaxfuse.pallas_interpret(not ctx.native("pallas")):
-      step = _jax_step(f, case.n_diff, g)
-      rec.bytes_moved = bytes_moved(lambda *a: step(*a), *inputs)
+    rec.set("bytes_moved", harness.step_bytes_moved(f, inputs, g, n_diff=case.n_diff),
+            records_lib.KERNEL_BYTES_SOURCE)
   if ctx.native(impl.removeprefix("jaxfuse-")):
     return
   if impl == "jaxfuse-triton":
-    rec.note = "Triton kernels run on GPUs (tested on CPU with Triton's interpreter)"
+    rec.add_note("Triton kernels run on GPUs (tested on CPU with Triton's interpreter)")
     return
   rows = min(case.rows, INTERPRET_ROWS)
   ctx.step(f"{case.name}: Pallas interpret run at {rows} rows")
   small = case.make_inputs(rows)
-  y = case.jax_fns["jaxfuse-xla"](*small)
-  g_small = _cotangent(y)
+  g_small = _cotangent(case.jax_fns["jaxfuse-xla"](*small))
   with jaxfuse.pallas_interpret():
-    got = _jax_step(f, case.n_diff, g_small)(*small)
-  want = _torch_step(case.torch_fn, case.n_diff, _to_torch(g_small))(
-      *[_to_torch(x) for x in small])
-  rec.max_abs_err, rec.max_grad_err = _errors(got, want)
-  extra = f"errors from interpret mode at {rows} rows (CPU)"
-  rec.note = f"{rec.note}; {extra}" if rec.note else extra
+    got = harness.jax_step(f, n_diff=case.n_diff)(small, g_small)
+  want = harness.torch_step(case.torch_fn, n_diff=case.n_diff)(
+      [harness.to_torch(x) for x in small], harness.to_torch(g_small))
+  harness.set_errors(rec, harness.errors(got, want),
+              f"Pallas interpret mode at {rows} rows against {REFERENCE}")
+  rec.add_note(f"errors from interpret mode at {rows} rows (CPU)")
 
 
 # Cases ------------------------------------------------------------------------------------------
@@ -213,7 +156,8 @@ def _normal(key, shape, dtype, scale=1.0):
 
 
 def softmax_case(rows, n, dtype) -> Case:
-  torch = _torch()
+  import torch
+
   return Case(
       name=f"softmax {rows}x{n}",
       make_inputs=lambda r: [_normal(0, (r, n), dtype, 3.0)],
@@ -277,7 +221,6 @@ def _plain_gated_mlp(x, wg, wu, wd):
 
 
 def gated_mlp_case(tokens, d, hidden, dtype) -> Case:
-  torch = _torch()
   import torch.nn.functional as F  # noqa: N812
 
   def make(rows):

@@ -3,16 +3,27 @@
 add_act cases (``add_act[fn] n=N fwd`` and ``... fwd+bwd``), one row per implementation:
 
 - ``jax-unfused``: the seed's two kernels as two XLA executables (add, then fn; the backward is
-  a third), so ``a + b`` round-trips through memory on any platform. The timing baseline.
+  a third), so ``a + b`` round-trips through memory on any platform. Its residual is measured on
+  ``add_act_unfused(implementation="xla")``, the same add-then-fn structure.
+- ``jax-jit``: one ``jax.jit`` of plain ``fn(a + b)`` (and of its ``jax.vjp`` for fwd+bwd),
+  which XLA fuses by itself: the comparison a JAX user makes.
 - ``jaxfuse-xla``: one jit of ``add_act``; ``jaxfuse-unfused``: the Pallas add kernel, then the
   Pallas fn kernel; ``jaxfuse-pallas``: the fused Pallas kernel; ``jaxfuse-triton``: the fused
   Triton kernel. Kernel rows are timed on GPUs only; on CPU their errors come from interpret
-  mode (Triton's interpreter for the Triton row) and their bytes from the block specs.
-- ``torch-eager`` and ``torch-compile``.
+  mode (Triton's interpreter for the Triton row) and their residuals from tracing the Pallas
+  implementation. The Triton implementation is traced through jax-triton, which needs a GPU:
+  elsewhere its residual is null. The Triton kernels' bytes are counted while Triton's
+  interpreter runs them (on CPU).
+- ``torch-eager`` and ``torch-compile`` (``torch.compile`` of ``fn(a + b)``, autograd's
+  backward through it).
 
 SimpleNN cases (``simple_nn recompute=none|fc1|block B=.. in->hidden->out``): one training step
 (forward, backward, SGD update) of jaxfuse's NNX model, jit-compiled, against the torch twin
 (the seed's RecomputationLayer for fc1, torch.utils.checkpoint for block), same weights.
+
+``ratio`` is a row's median time over the fastest of ``jax-jit``, ``torch-eager`` and
+``torch-compile`` in the same case (``ratio_to`` names it). Each record's ``sources`` says how
+each of its figures was produced.
 """
 
 from __future__ import annotations
@@ -22,15 +33,33 @@ import os
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+import jaxfuse
 from benchmarks import harness
-from benchmarks.records import Record, set_ratios
+from benchmarks import records as rec
+from benchmarks.records import Record
 from jaxfuse import interop, metrics, ops
 from jaxfuse.ops import activations, dispatch
 
 SUITE = "seed"
 REFERENCE = "torch-fp64"
+PEERS = ("jax-jit", "torch-eager", "torch-compile")
+ORDER = ("jax-unfused", "jax-jit", "jaxfuse-xla", "jaxfuse-unfused", "jaxfuse-pallas",
+         "jaxfuse-triton", "torch-eager", "torch-compile")
+# jaxfuse rows that run kernels: (op, implementation).
+KERNEL_ROWS = {"jaxfuse-unfused": ("add_act_unfused", "pallas"),
+               "jaxfuse-pallas": ("add_act", "pallas"),
+               "jaxfuse-triton": ("add_act", "triton")}
+# The Triton kernels' loads and stores are counted in Triton's interpreter with this block: the
+# kernels mask every element once, so the count does not depend on it, and big blocks keep the
+# interpreter quick.
+TRITON_COUNT_BLOCK = 1 << 16
+TRITON_BYTES_SOURCE = ("kernel loads/stores counted in Triton's interpreter "
+                       "(jaxfuse.metrics.triton_traffic)")
+# What a JAX user writes for each activation.
+JAX_ACTIVATIONS = {"relu": jax.nn.relu, "gelu": functools.partial(jax.nn.gelu, approximate=False),
+                   "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True),
+                   "silu": jax.nn.silu, "tanh": jnp.tanh}
 
 
 # add_act -----------------------------------------------------------------------------------------
@@ -38,29 +67,10 @@ REFERENCE = "torch-fp64"
 
 def _torch_act(name):
   import torch
-  import torch.nn.functional as F
+  import torch.nn.functional as F  # noqa: N812
 
   return {"relu": F.relu, "gelu": F.gelu, "silu": F.silu, "tanh": torch.tanh,
           "gelu_tanh": functools.partial(F.gelu, approximate="tanh")}[name]
-
-
-def _torch_add_act(a, b, g, act, with_grad):
-  """torch eager: add, then fn (two kernels), and autograd's backward."""
-  import torch
-
-  fn = _torch_act(act)
-  if not with_grad:
-    with torch.no_grad():
-      return (fn(a + b),)
-  a_, b_ = a.detach().requires_grad_(), b.detach().requires_grad_()
-  out = fn(a_ + b_)
-  out.backward(g)
-  return out, a_.grad, b_.grad
-
-
-def _interpret_pallas(f, *args):
-  with dispatch.pallas_interpret():
-    return jax.jit(f)(*args)
 
 
 def _triton_interpreted(a, b, g, act, with_grad):
@@ -75,131 +85,40 @@ def _triton_interpreted(a, b, g, act, with_grad):
   # float32 -> bfloat16 stores, so outputs are stored in float32 and rounded as a GPU would.
   block = 1 << 16
   flat = [t.reshape(-1) for t in (a, b, g)]
-  out = torch.empty(n, dtype=torch.float32)
+  out = torch.empty(n, dtype=torch.float32, device=a.device)
   tk.add_act_fwd_kernel[tk.grid_for(n, block)](flat[0], flat[1], out, N=n, BLOCK=block, ACT=act)
-  results = [out.to(a.dtype).reshape(a.shape)]
-  if with_grad:
-    grad = torch.empty(n, dtype=torch.float32)
-    tk.add_act_bwd_kernel[tk.grid_for(n, block)](*flat, grad, N=n, BLOCK=block, ACT=act)
-    grad = grad.to(a.dtype).reshape(a.shape)
-    results += [grad, grad]
-  return results
+  out = out.to(a.dtype).reshape(a.shape)
+  if not with_grad:
+    return out, []
+  grad = torch.empty(n, dtype=torch.float32, device=a.device)
+  tk.add_act_bwd_kernel[tk.grid_for(n, block)](*flat, grad, N=n, BLOCK=block, ACT=act)
+  grad = grad.to(a.dtype).reshape(a.shape)
+  return out, [grad, grad]
 
 
-def _add_act_case(ctx, act: str, n: int, dtype, with_grad: bool) -> list[Record]:
+def _triton_counted_bytes(a, b, g, act, with_grad) -> int | None:
+  """Bytes the Triton kernels load and store, counted while Triton's interpreter runs them
+  (``jaxfuse.metrics.triton_traffic``); None where the kernels are compiled instead.
+
+  Outputs are in the inputs' dtype, as on a GPU (the count does not depend on the values).
+  """
+  if os.environ.get("TRITON_INTERPRET") != "1":
+    return None
   import torch
 
-  ctx.step(f"add_act[{act}] n={n} {'fwd+bwd' if with_grad else 'fwd'}")
-  case = f"add_act[{act}] n={n} {'fwd+bwd' if with_grad else 'fwd'}"
-  dtype = jnp.dtype(dtype)
-  ka, kb, kg = jax.random.split(jax.random.key(0), 3)
-  a = jax.random.normal(ka, (n,), dtype)
-  b = jax.random.normal(kb, (n,), dtype)
-  g = jax.random.normal(kg, (n,), dtype)
-  ta, tb, tg = (torch.from_numpy(np.array(x.astype(jnp.float32))).to(
-      harness_torch_dtype(dtype)) for x in (a, b, g))
-  reference = _torch_add_act(*(t.double() for t in (ta, tb, tg)), act, with_grad)
+  from jaxfuse.kernels.triton import elementwise as tk
+  from jaxfuse.metrics import triton_traffic
 
-  fn = activations.get(act)
-  cd = jnp.promote_types(dtype, jnp.float32)
-  add_jit = jax.jit(lambda a, b: a + b)
-  act_jit = jax.jit(lambda c: fn(c.astype(cd)).astype(c.dtype))
-  act_bwd_jit = jax.jit(lambda c, g: jax.vjp(fn, c.astype(cd))[1](g.astype(cd))[0].astype(c.dtype))
-
-  def jax_unfused():
-    c = add_jit(a, b)
-    out = act_jit(c)
-    if not with_grad:
-      return (out,)
-    dc = act_bwd_jit(c, g)
-    return out, dc, dc
-
-  def jaxfuse(op, impl):
-    def call(a, b, g):
-      if not with_grad:
-        return (op(a, b, act, implementation=impl),)
-      out, vjp = jax.vjp(lambda a, b: op(a, b, act, implementation=impl), a, b)
-      return (out, *vjp(g))
-    return call
-
-  fused_xla = jax.jit(jaxfuse(ops.add_act, "xla"))
-  torch_compiled = torch.compile(functools.partial(_torch_add_act, act=act, with_grad=with_grad))
-
-  candidates = {
-      "jax-unfused": jax_unfused,
-      "jaxfuse-xla": lambda: fused_xla(a, b, g),
-      "torch-eager": lambda: _torch_add_act(ta, tb, tg, act, with_grad),
-      "torch-compile": lambda: torch_compiled(ta, tb, tg),
-  }
-  kernel_rows = {"jaxfuse-unfused": (ops.add_act_unfused, "pallas"),
-                 "jaxfuse-pallas": (ops.add_act, "pallas"),
-                 "jaxfuse-triton": (ops.add_act, "triton")}
-  native_kernels = {}
-  for name, (op, impl) in kernel_rows.items():
-    if ctx.native(impl):
-      native_kernels[name] = jax.jit(jaxfuse(op, impl))
-      candidates[name] = functools.partial(native_kernels[name], a, b, g)
-  times = ctx.time(candidates)
-
-  outputs = {name: call() for name, call in candidates.items()}
-  notes = {}
-  for name, (op, impl) in kernel_rows.items():
-    if name in outputs:
-      continue
-    if impl == "pallas":
-      outputs[name] = _interpret_pallas(jaxfuse(op, impl), a, b, g)
-      notes[name] = "CPU: errors from Pallas interpret mode; time needs a GPU"
-    elif act in _triton_activations():
-      outputs[name] = _triton_interpreted(ta, tb, tg, act, with_grad)
-      notes[name] = "CPU: errors from Triton's interpreter; time needs a GPU"
-
-  # Bytes moved: Pallas rows from their block specs, XLA rows from XLA's cost analysis.
-  def fwd_or_step(op, impl):
-    return lambda a, b, g: jaxfuse(op, impl)(a, b, g)
-
-  bytes_moved = {}
-  with dispatch.pallas_interpret():
-    for name, (op, impl) in kernel_rows.items():
-      if impl == "pallas":
-        bytes_moved[name] = metrics.bytes_moved(fwd_or_step(op, impl), a, b, g)
-  from jaxfuse.kernels.triton import elementwise as tk_meta  # traffic arithmetic only
-
-  bytes_moved["jaxfuse-triton"] = tk_meta.traffic_bytes(n, dtype.itemsize) + (
-      tk_meta.traffic_bytes(n, dtype.itemsize, backward=True) if with_grad else 0)
-  bytes_moved["jaxfuse-xla"] = _xla_bytes(jaxfuse(ops.add_act, "xla"), a, b, g)
-  unfused_parts = [_xla_bytes(lambda a, b: a + b, a, b),
-                   _xla_bytes(lambda c: fn(c.astype(cd)).astype(c.dtype), a)]
-  if with_grad:
-    unfused_parts.append(_xla_bytes(
-        lambda c, g: jax.vjp(fn, c.astype(cd))[1](g.astype(cd))[0].astype(c.dtype), a, g))
-  bytes_moved["jax-unfused"] = None if None in unfused_parts else int(sum(unfused_parts))
-
-  residual = {
-      "jax-unfused": n * dtype.itemsize,  # c = a + b, kept for fn's backward
-      "jaxfuse-xla": metrics.residual_bytes(lambda a, b: ops.add_act(a, b, act), a, b),
-      "jaxfuse-unfused": metrics.residual_bytes(lambda a, b: ops.add_act_unfused(a, b, act), a, b),
-  }
-  residual["jaxfuse-pallas"] = residual["jaxfuse-triton"] = residual["jaxfuse-xla"]
-  residual["torch-eager"] = _torch_residual(ta, tb, act)
-
-  records = []
-  order = ["jax-unfused", "jaxfuse-xla", "jaxfuse-unfused", "jaxfuse-pallas", "jaxfuse-triton",
-           "torch-eager", "torch-compile"]
-  for name in order:
-    if name not in outputs:
-      records.append(Record(SUITE, case, name, ctx.platform, dtype.name,
-                            note=f"no Triton kernel for {act}"))
-      continue
-    out = outputs[name]
-    records.append(Record(
-        SUITE, case, name, ctx.platform, dtype.name, time_ms=times.get(name),
-        residual_bytes=residual.get(name), bytes_moved=bytes_moved.get(name),
-        flops=None, peak_bytes=None,
-        max_abs_err=harness.max_abs_err(out[:1], reference[:1]),
-        max_grad_err=harness.max_abs_err(out[1:], reference[1:]) if with_grad else None,
-        reference=REFERENCE, note=notes.get(name)))
-  set_ratios(records, "jax-unfused")
-  return records
+  n = a.numel()
+  flat = [t.reshape(-1).cpu() for t in (a, b, g)]
+  grid = tk.grid_for(n, TRITON_COUNT_BLOCK)
+  with triton_traffic.counting() as counted:
+    out = torch.empty(n, dtype=a.dtype)
+    tk.add_act_fwd_kernel[grid](flat[0], flat[1], out, N=n, BLOCK=TRITON_COUNT_BLOCK, ACT=act)
+    if with_grad:
+      grad = torch.empty(n, dtype=a.dtype)
+      tk.add_act_bwd_kernel[grid](*flat, grad, N=n, BLOCK=TRITON_COUNT_BLOCK, ACT=act)
+  return counted.bytes if counted.launches else None
 
 
 @functools.cache
@@ -212,22 +131,159 @@ def _triton_activations():
   return tk.ACTIVATIONS
 
 
-def harness_torch_dtype(dtype):
+def _jaxfuse_fn(op_name: str, impl: str, act: str):
+  op = getattr(ops, op_name)
+  return lambda a, b: op(a, b, act, implementation=impl)
+
+
+def _unfused_parts(act, dtype, with_grad):
+  """The jax-unfused row's executables (add; fn; fn's backward) and one call of the chain."""
+  fn = activations.get(act)
+  cd = jnp.promote_types(dtype, jnp.float32)
+  parts = {
+      "add": lambda a, b: a + b,
+      "act": lambda c: fn(c.astype(cd)).astype(c.dtype),
+      "act_bwd": lambda c, g: jax.vjp(fn, c.astype(cd))[1](g.astype(cd))[0].astype(c.dtype),
+  }
+  if not with_grad:
+    del parts["act_bwd"]
+  compiled = {name: jax.jit(part) for name, part in parts.items()}
+
+  def chain(args, cts=None):
+    c = compiled["add"](*args)
+    out = compiled["act"](c)
+    if not with_grad:
+      return out, []
+    dc = compiled["act_bwd"](c, cts)
+    return out, [dc, dc]
+
+  return parts, chain
+
+
+def _unfused_compiled_figures(record, parts, a, b, g):
+  """XLA's figures of the jax-unfused chain: bytes summed over its executables, temp memory
+  the largest of them (they run one after another)."""
+  part_args = {"add": (a, b), "act": (a,), "act_bwd": (a, g)}
+  accessed = [metrics.xla_cost(part, *part_args[name])["bytes_accessed"]
+              for name, part in parts.items()]
+  temps = [metrics.compiled_memory(part, *part_args[name])["temp_bytes"]
+           for name, part in parts.items()]
+  executables = " + ".join(parts)
+  record.set("xla_bytes_accessed", None if None in accessed else int(sum(accessed)),
+             f"{rec.XLA_BYTES_SOURCE}, summed over the executables {executables}")
+  record.set("temp_bytes", int(max(temps)),
+             f"{rec.TEMP_BYTES_SOURCE}, the largest of the executables {executables}")
+
+
+def _add_act_case(ctx, act: str, n: int, dtype, with_grad: bool) -> list[Record]:
   import torch
 
-  return {"float32": torch.float32, "bfloat16": torch.bfloat16,
-          "float16": torch.float16}[jnp.dtype(dtype).name]
+  case = f"add_act[{act}] n={n} {'fwd+bwd' if with_grad else 'fwd'}"
+  ctx.step(case)
+  dtype = jnp.dtype(dtype)
+  ka, kb, kg = jax.random.split(jax.random.key(0), 3)
+  a, b, g = (jax.random.normal(k, (n,), dtype) for k in (ka, kb, kg))
+  args, cts = (a, b), (g if with_grad else None)
+  ta, tb, tg = (harness.to_torch(x) for x in (a, b, g))
+  t_args, t_cts = (ta, tb), (tg if with_grad else None)
+
+  torch_fn = _torch_act(act)
+  torch_add_act = lambda a, b: torch_fn(a + b)  # noqa: E731
+  reference = harness.torch_step(torch_add_act, grad=with_grad)(
+      harness.to_float64_cpu(t_args), harness.to_float64_cpu([tg])[0] if with_grad else None)
+
+  jax_fn = JAX_ACTIVATIONS[act]
+  fns = {"jax-jit": lambda a, b: jax_fn(a + b),
+         "jaxfuse-xla": _jaxfuse_fn("add_act", "xla", act)}
+  steps = {name: harness.jax_step(f, grad=with_grad) for name, f in fns.items()}
+  for name, (op_name, impl) in KERNEL_ROWS.items():
+    if ctx.native(impl) and (impl != "triton" or act in _triton_activations()):
+      fns[name] = _jaxfuse_fn(op_name, impl, act)
+      steps[name] = harness.jax_step(fns[name], grad=with_grad)
+  unfused_parts, unfused_chain = _unfused_parts(act, dtype, with_grad)
+  torch_compiled = torch.compile(torch_add_act)
+  torch_steps = {"torch-eager": harness.torch_step(torch_add_act, grad=with_grad),
+                 "torch-compile": harness.torch_step(torch_compiled, grad=with_grad)}
+
+  candidates = {"jax-unfused": lambda: unfused_chain(args, cts)}
+  candidates.update({name: functools.partial(step, args, cts) for name, step in steps.items()})
+  candidates.update({name: functools.partial(step, t_args, t_cts)
+                     for name, step in torch_steps.items()})
+  times = ctx.time(candidates)
+  outputs = {name: call() for name, call in candidates.items()}
+
+  error_sources = {name: f"the timed step's own outputs against {REFERENCE}" for name in outputs}
+  notes = {}
+  for name, (op_name, impl) in KERNEL_ROWS.items():
+    if name in outputs:
+      continue
+    if impl == "pallas":
+      with jaxfuse.pallas_interpret():
+        outputs[name] = harness.jax_step(_jaxfuse_fn(op_name, impl, act), grad=with_grad)(
+            args, cts)
+      error_sources[name] = f"Pallas interpret mode against {REFERENCE}"
+      notes[name] = "CPU: errors from Pallas interpret mode; time needs a GPU"
+    elif act in _triton_activations():
+      outputs[name] = _triton_interpreted(ta, tb, tg, act, with_grad)
+      error_sources[name] = f"Triton's interpreter (torch CPU tensors) against {REFERENCE}"
+      notes[name] = "CPU: errors from Triton's interpreter; time needs a GPU"
+
+  records = []
+  for name in ORDER:
+    r = Record(SUITE, case, name, ctx.platform, dtype.name, reference=REFERENCE,
+               note=notes.get(name))
+    records.append(r)
+    if name not in outputs:
+      r.reference = None
+      r.add_note(f"no Triton kernel for {act}")
+      continue
+    r.set("time_ms", times.get(name), harness.time_source(times.get(name)))
+    harness.set_errors(r, harness.errors(outputs[name], reference), error_sources[name])
+    ctx.step(f"{case}: {name} residuals and bytes")
+    _residual(ctx, r, act, args, t_args, fns, torch_add_act, torch_compiled)
+    if name == "jax-unfused":
+      _unfused_compiled_figures(r, unfused_parts, a, b, g)
+    elif name in steps:
+      harness.record_compiled_figures(r, steps[name], args, cts)
+    if name in ("jaxfuse-unfused", "jaxfuse-pallas"):
+      op_name, impl = KERNEL_ROWS[name]
+      r.set("bytes_moved", harness.step_bytes_moved(_jaxfuse_fn(op_name, impl, act), args, cts,
+                                                    grad=with_grad), rec.KERNEL_BYTES_SOURCE)
+    elif name == "jaxfuse-triton":
+      counted = _triton_counted_bytes(ta, tb, tg, act, with_grad)
+      r.set("bytes_moved", counted, TRITON_BYTES_SOURCE)
+      if counted is None:
+        r.add_note("bytes_moved null: counted only where Triton's interpreter runs the kernels")
+  harness.ratio_to_fastest(records, PEERS)
+  return records
 
 
-def _xla_bytes(f, *args):
-  value = metrics.xla_cost(f, *args)["bytes_accessed"]
-  return None if value is None else int(value)
-
-
-def _torch_residual(ta, tb, act):
-  a_, b_ = ta.detach().requires_grad_(), tb.detach().requires_grad_()
-  fn = _torch_act(act)
-  return metrics.torch_residual_bytes(lambda: fn(a_ + b_), exclude=[a_, b_])
+def _residual(ctx, r: Record, act, args, t_args, fns, torch_add_act, torch_compiled) -> None:
+  """Measures one row's residual bytes on its own implementation; never copied from a row."""
+  name = r.impl
+  if name.startswith("torch"):
+    fn = torch_add_act if name == "torch-eager" else torch_compiled
+    r.set("residual_bytes", harness.torch_residual_bytes(fn, t_args), rec.TORCH_RESIDUAL_SOURCE)
+    return
+  if name == "jax-unfused":
+    f = _jaxfuse_fn("add_act_unfused", "xla", act)
+    r.set("residual_bytes", harness.residual_bytes(f, args),
+          f"{rec.JAX_RESIDUAL_SOURCE}, of add_act_unfused(implementation='xla'): the same "
+          "add-then-fn structure")
+    return
+  if name in fns and name not in KERNEL_ROWS:
+    r.set("residual_bytes", harness.residual_bytes(fns[name], args), rec.JAX_RESIDUAL_SOURCE)
+    return
+  op_name, impl = KERNEL_ROWS[name]
+  if impl == "triton" and not ctx.native("triton"):
+    r.add_note("residual_bytes null: the Triton implementation is traced through jax-triton, "
+               "which needs a GPU")
+    return
+  with jaxfuse.pallas_interpret(impl == "pallas" and not ctx.native("pallas")):  # traced only
+    kept = harness.residual_bytes(_jaxfuse_fn(op_name, impl, act), args)
+  where = " (traced in Pallas interpret mode)" if impl == "pallas" and not ctx.native(
+      "pallas") else ""
+  r.set("residual_bytes", kept, f"{rec.JAX_RESIDUAL_SOURCE}{where}")
 
 
 # SimpleNN ----------------------------------------------------------------------------------------
@@ -248,7 +304,7 @@ def _simple_nn_case(ctx, recompute, batch, sizes) -> list[Record]:
   kx, ky = jax.random.split(jax.random.key(1))
   x = jax.random.normal(kx, (batch, n_in))
   y = jax.random.normal(ky, (batch, n_out))
-  tx, ty = (torch.from_numpy(np.array(v)) for v in (x, y))
+  tx, ty = (harness.to_torch(v) for v in (x, y))
   lr = 1e-3
 
   torch.manual_seed(0)
@@ -257,6 +313,10 @@ def _simple_nn_case(ctx, recompute, batch, sizes) -> list[Record]:
     torch_model.fc1_weight.mul_(n_in ** -0.5)  # the seed's randn init, scaled
   model = SimpleNN(n_in, n_hidden, n_out, recompute=recompute, rngs=nnx.Rngs(0))
   interop.load_torch_state_dict(model, torch_model.state_dict())
+  # The float64 reference, on the CPU, before the timed model moves to torch's device.
+  reference_model = TorchSimpleNN(n_in, n_hidden, n_out, recompute=recompute).double()
+  reference_model.load_state_dict(torch_model.state_dict())
+  torch_model.to(tx.device)
   graphdef, params = nnx.split(model, nnx.Param)
   optimizer = optax.sgd(lr)
   opt_state = optimizer.init(params)
@@ -272,18 +332,20 @@ def _simple_nn_case(ctx, recompute, batch, sizes) -> list[Record]:
 
   torch_optimizer = torch.optim.SGD(torch_model.parameters(), lr=lr)
 
+  def torch_loss():
+    return torch.mean((torch_model(tx) - ty) ** 2)
+
   def torch_step():
     torch_optimizer.zero_grad(set_to_none=True)
-    loss = torch.mean((torch_model(tx) - ty) ** 2)
+    loss = torch_loss()
     loss.backward()
     torch_optimizer.step()
     return loss
 
   # Errors first, on the shared initial weights: loss and every parameter gradient against the
   # float64 torch model.
-  reference_model = TorchSimpleNN(n_in, n_hidden, n_out, recompute=recompute).double()
-  reference_model.load_state_dict(torch_model.state_dict())
-  ref_loss = torch.mean((reference_model(tx.double()) - ty.double()) ** 2)
+  tx64, ty64 = harness.to_float64_cpu((tx, ty))
+  ref_loss = torch.mean((reference_model(tx64) - ty64) ** 2)
   ref_loss.backward()
   ref_grads = {k: p.grad for k, p in reference_model.named_parameters()}
   _, _, loss, grads = train_step(params, opt_state, x, y)
@@ -295,7 +357,7 @@ def _simple_nn_case(ctx, recompute, batch, sizes) -> list[Record]:
   scale = max(float(p.abs().max()) for p in ref_grads.values())
 
   torch_model.zero_grad()
-  t_loss = torch.mean((torch_model(tx) - ty) ** 2)
+  t_loss = torch_loss()
   t_loss.backward()
   torch_grad_err = harness.max_abs_err([torch_model.get_parameter(k).grad for k in names],
                                        [ref_grads[k] for k in names])
@@ -308,26 +370,36 @@ def _simple_nn_case(ctx, recompute, batch, sizes) -> list[Record]:
     return loss
 
   times = ctx.time({"jaxfuse-xla": jax_step, "torch-eager": torch_step})
-  resid = metrics.residual_bytes(loss_fn, params, x, y)
-  tx_ = tx.requires_grad_(False)
-  torch_resid = metrics.torch_residual_bytes(
-      lambda: torch.mean((torch_model(tx_) - ty) ** 2),
-      exclude=[tx_, ty, *torch_model.parameters()])
-  step_bytes = _xla_bytes(lambda p, s, x, y: train_step(p, s, x, y), params, opt_state, x, y)
-  records = [
-      Record(SUITE, case, "jaxfuse-xla", ctx.platform, "float32", time_ms=times["jaxfuse-xla"],
-             residual_bytes=resid, bytes_moved=step_bytes, peak_bytes=metrics.peak_bytes(),
-             max_abs_err=harness.max_abs_err([loss], [ref_loss]), max_grad_err=jax_grad_err,
-             reference=REFERENCE,
-             note=f"max grad err / max |grad| = {jax_grad_err / scale:.1e}"),
-      Record(SUITE, case, "torch-eager", ctx.platform, "float32", time_ms=times["torch-eager"],
-             residual_bytes=torch_resid,
-             max_abs_err=harness.max_abs_err([t_loss], [ref_loss]), max_grad_err=torch_grad_err,
-             reference=REFERENCE,
-             note=f"max grad err / max |grad| = {torch_grad_err / scale:.1e}"),
-  ]
-  set_ratios(records, "torch-eager")
+  error_source = f"loss and every parameter gradient of one step against {REFERENCE}"
+  records = []
+  for name, loss_value, grad_err in (("jaxfuse-xla", loss, jax_grad_err),
+                                     ("torch-eager", t_loss, torch_grad_err)):
+    r = Record(SUITE, case, name, ctx.platform, "float32", reference=REFERENCE,
+               note=f"max grad err / max |grad| = {grad_err / scale:.1e}")
+    r.set("time_ms", times[name], harness.time_source(times[name]))
+    harness.set_errors(r, (harness.max_abs_err([loss_value], [ref_loss]), grad_err),
+                       error_source)
+    records.append(r)
+  jax_row, torch_row = records
+  jax_row.set("residual_bytes", metrics.residual_bytes(loss_fn, params, x, y),
+              f"{rec.JAX_RESIDUAL_SOURCE}, of the loss over the parameters and the batch")
+  ctx.step(f"{case}: compiled figures")
+  accessed = metrics.xla_cost(train_step, params, opt_state, x, y)["bytes_accessed"]
+  temp = metrics.compiled_memory(train_step, params, opt_state, x, y)["temp_bytes"]
+  jax_row.set("xla_bytes_accessed", None if accessed is None else int(accessed),
+              f"{rec.XLA_BYTES_SOURCE}, of the whole training step")
+  jax_row.set("temp_bytes", temp, f"{rec.TEMP_BYTES_SOURCE}, of the whole training step")
+  torch_row.set("residual_bytes", metrics.torch_residual_bytes(
+      torch_loss, exclude=[tx, ty, *torch_model.parameters()]), rec.TORCH_RESIDUAL_SOURCE)
+  harness.ratio_to_fastest(records, PEERS)
   return records
+
+
+def headline(records) -> list[Record]:
+  """The fused add + gelu, forward + backward in float32, and SimpleNN's three layouts."""
+  fused = [r for r in records if r.case.startswith("add_act[gelu]") and
+           r.case.endswith("fwd+bwd") and r.dtype == "float32"]
+  return fused + [r for r in records if r.case.startswith("simple_nn")]
 
 
 def run(ctx) -> list[Record]:
@@ -340,3 +412,6 @@ def run(ctx) -> list[Record]:
   for recompute in (None, "fc1", "block"):
     records += _simple_nn_case(ctx, recompute, batch, sizes)
   return records
+
+
+__all__ = ["headline", "run"]

@@ -10,16 +10,21 @@ forward + backward (loss, dh, dW) and reports the bytes its backward keeps alive
 - ``jaxfuse-xla[grad_in_forward]``: the same op computing the gradients in the forward
   (Liger-Kernel's way): one matmul fewer, the gradients kept as residuals.
 - ``jaxfuse-pallas``: the Pallas kernels. Timed on GPUs only; on CPU its errors come from an
-  interpret-mode run at a small shape and its bytes moved from the kernels' block specs.
+  interpret-mode run at a small shape; its bytes moved are counted by
+  ``jaxfuse.metrics.bytes_moved`` at the full shape.
 - ``tokamax-xla``: ``tokamax.linear_softmax_cross_entropy_loss(implementation="xla")``; in
   tokamax 0.0.12 that path keeps its gradients as residuals, like ``grad_in_forward`` (its
-  chunked kernel is TPU-only).
+  chunked kernel is TPU-only). It takes no precision argument (it raises on one): its step is
+  traced and run under ``jax.default_matmul_precision("highest")``, so that its matmuls run at
+  the float32 HIGHEST precision every other row's do.
 - ``torch-eager`` (the error reference) and ``torch-compile``:
   ``F.cross_entropy(h @ W.T, labels)``.
 
 Errors are max absolute differences against torch-eager in float32 (loss; dh and dW). The note
 of each jaxfuse row gives its time relative to torch-eager and the largest gradient error in
-units of the float32 test tolerance ``1e-5 + 1e-5 * |torch|`` (<= 1 passes).
+units of the float32 test tolerance ``1e-5 + 1e-5 * |torch|`` (<= 1 passes). JAX rows also
+carry XLA's cost analysis (``xla_bytes_accessed``) and compiled temp memory (``temp_bytes``) of
+their step; each record's ``sources`` says how each of its figures was produced.
 """
 
 from __future__ import annotations
@@ -31,7 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import harness
-from benchmarks.records import Record, set_ratios
+from benchmarks import records as rec
+from benchmarks.records import Record
 from jaxfuse import metrics
 from jaxfuse.ops import dispatch, linear_cross_entropy
 
@@ -42,6 +48,10 @@ BASELINE = "jax-unfused"
 MAIN_CASE = (8192, 1024, 32000)
 # Pallas' interpret mode on CPU checks errors at this shape (N, D, V).
 INTERPRET_SHAPE = (64, 64, 1000)
+# Every row's matmuls run in float32 at HIGHEST precision: jaxfuse and the plain loss pass it,
+# torch's float32 matmuls are full precision, and tokamax, which takes no precision argument, is
+# traced and run under jax.default_matmul_precision.
+TOKAMAX_PRECISION = "highest"
 
 
 def _cases(ctx):
@@ -69,37 +79,16 @@ def _plain(h, w, y):
   return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, y))
 
 
-def _step(loss_fn):
-  """jit(value_and_grad) over (h, w)."""
-  return jax.jit(jax.value_and_grad(loss_fn, argnums=(0, 1)))
-
-
-def _flat(out):
-  loss, (dh, dw) = out
-  return [loss], [dh, dw]
-
-
-def _torch_setup(h, w, y, device):
+def _torch_setup(h, w, y):
   import torch
 
-  th = torch.from_numpy(np.array(h)).to(device)
-  tw = torch.from_numpy(np.array(w)).to(device)
-  ty = torch.from_numpy(np.array(y)).long().to(device)
-  return th, tw, ty
+  return harness.to_torch(h), harness.to_torch(w), harness.to_torch(y, dtype=torch.long)
 
 
 def _torch_loss(h, w, y):
-  import torch.nn.functional as F
+  import torch.nn.functional as F  # noqa: N812
 
   return F.cross_entropy(h @ w.T, y)
-
-
-def _torch_step(loss_fn, th, tw, ty):
-  h = th.detach().requires_grad_()
-  w = tw.detach().requires_grad_()
-  loss = loss_fn(h, w, ty)
-  loss.backward()
-  return [loss], [h.grad, w.grad]
 
 
 def _tolerance_units(got, want):
@@ -111,31 +100,34 @@ def _tolerance_units(got, want):
   return worst
 
 
-def _tokamax_step():
+def _tokamax_loss():
+  """tokamax's loss of (h, w_t, y), or None when tokamax is not installed."""
   tokamax = harness.tokamax()
   if tokamax is None:
     return None
 
   def loss_fn(h, w_t, y):
-    # tokamax 0.0.12 rejects a precision argument; float32 on CPU is full precision anyway.
+    # tokamax 0.0.12 raises NotImplementedError on a precision argument: its step is traced
+    # and run under jax.default_matmul_precision instead (TOKAMAX_PRECISION).
     return tokamax.linear_softmax_cross_entropy_loss(h, y, w_t, reduction="mean",
                                                      implementation="xla")
 
   return loss_fn
 
 
+def _pallas_loss(y):
+  return lambda h, w: linear_cross_entropy(h, w, y, implementation="pallas")
+
+
 def _pallas_small_errors():
   """Errors of the Pallas kernels against torch at a small shape, in interpret mode on CPU."""
-  import torch
-
   n, d, v = INTERPRET_SHAPE
   h, w, y = _inputs(n, d, v, seed=1)
   with dispatch.pallas_interpret():
-    got = _flat(_step(lambda h, w: linear_cross_entropy(h, w, y, implementation="pallas"))(h, w))
-  want = _torch_step(_torch_loss, *_torch_setup(h, w, y, "cpu"))
-  del torch
-  return (harness.max_abs_err(got[0], want[0]), harness.max_abs_err(got[1], want[1]),
-          _tolerance_units(got[1], want[1]))
+    got = harness.jax_step(_pallas_loss(y))((h, w))
+  want = harness.torch_step(_torch_loss, n_diff=2)(_torch_setup(h, w, y))
+  out_err, grad_err = harness.errors(got, want)
+  return out_err, grad_err, _tolerance_units(got[1], want[1])
 
 
 def _case(ctx, n, d, v, with_peers) -> list[Record]:
@@ -144,136 +136,138 @@ def _case(ctx, n, d, v, with_peers) -> list[Record]:
   case = f"N={n} D={d} V={v}"
   ctx.step(case)
   h, w, y = _inputs(n, d, v)
-  device = "cuda" if ctx.platform == "gpu" and torch.cuda.is_available() else "cpu"
-  th, tw, ty = _torch_setup(h, w, y, device)
+  t_args = _torch_setup(h, w, y)
 
-  steps = {
-      BASELINE: (_step(lambda h, w: _plain(h, w, y)), (h, w)),
-      "jaxfuse-xla": (_step(lambda h, w: linear_cross_entropy(h, w, y, implementation="xla")),
-                      (h, w)),
-      "jaxfuse-xla[grad_in_forward]": (_step(lambda h, w: linear_cross_entropy(
-          h, w, y, implementation="xla", grad_in_forward=True)), (h, w)),
+  losses = {
+      BASELINE: lambda h, w: _plain(h, w, y),
+      "jaxfuse-xla": lambda h, w: linear_cross_entropy(h, w, y, implementation="xla"),
+      "jaxfuse-xla[grad_in_forward]": lambda h, w: linear_cross_entropy(
+          h, w, y, implementation="xla", grad_in_forward=True),
   }
   if ctx.native("pallas"):
-    steps["jaxfuse-pallas"] = (_step(lambda h, w: linear_cross_entropy(
-        h, w, y, implementation="pallas")), (h, w))
-  tokamax_loss = _tokamax_step() if with_peers else None
-  w_t = None
+    losses["jaxfuse-pallas"] = _pallas_loss(y)
+  steps = {name: (harness.jax_step(loss), (h, w)) for name, loss in losses.items()}
+  tokamax_loss = _tokamax_loss() if with_peers else None
   if tokamax_loss is not None:
     w_t = jnp.asarray(w.T)
-    steps["tokamax-xla"] = (_step(lambda h, w_t: tokamax_loss(h, w_t, y)), (h, w_t))
+    losses["tokamax-xla"] = lambda h, w_t: tokamax_loss(h, w_t, y)
+    steps["tokamax-xla"] = (harness.jax_step(losses["tokamax-xla"],
+                                             matmul_precision=TOKAMAX_PRECISION), (h, w_t))
 
   # One call each (compiles and warms up), kept for the errors.
   outputs, notes = {}, {}
-  for name, (fn, args) in list(steps.items()):
+  for name, (step, args) in list(steps.items()):
     try:
-      outputs[name] = _flat(jax.block_until_ready(fn(*args)))
+      outputs[name] = jax.block_until_ready(step(args))
     except Exception as e:  # noqa: BLE001 - a peer that cannot run here gets a note, no time.
       notes[name] = f"did not run: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
       del steps[name]
   if "tokamax-xla" in outputs:
-    loss, (dh, dw_t) = outputs["tokamax-xla"][0], outputs["tokamax-xla"][1]
-    outputs["tokamax-xla"] = [loss, [dh, jnp.asarray(dw_t).T]]
+    loss, (dh, dw_t) = outputs["tokamax-xla"]
+    outputs["tokamax-xla"] = (loss, [dh, jnp.asarray(dw_t).T])
     notes["tokamax-xla"] = ("tokamax 0.0.12's XLA path: gradients computed in the forward "
-                            "and kept; its chunked kernel is TPU-only")
-  outputs["torch-eager"] = _torch_step(_torch_loss, th, tw, ty)
-  candidates = {name: functools.partial(fn, *args) for name, (fn, args) in steps.items()}
-  candidates["torch-eager"] = lambda: _torch_step(_torch_loss, th, tw, ty)
+                            "and kept; its chunked kernel is TPU-only; matmuls at float32 "
+                            f"{TOKAMAX_PRECISION} precision through jax.default_matmul_precision "
+                            "(it takes no precision argument), as every row's")
+  torch_losses = {"torch-eager": _torch_loss}
   if with_peers:
-    compiled = torch.compile(_torch_loss)
+    torch_losses["torch-compile"] = torch.compile(_torch_loss)
+  candidates = {name: functools.partial(step, args) for name, (step, args) in steps.items()}
+  for name, loss in torch_losses.items():
+    step = harness.torch_step(loss, n_diff=2)
     try:
-      outputs["torch-compile"] = _torch_step(compiled, th, tw, ty)
-      candidates["torch-compile"] = lambda: _torch_step(compiled, th, tw, ty)
+      outputs[name] = step(t_args)
+      candidates[name] = functools.partial(step, t_args)
     except Exception as e:  # noqa: BLE001 - no compiler here: note it.
-      notes["torch-compile"] = f"did not run: {type(e).__name__}"
+      notes[name] = f"did not run: {type(e).__name__}"
   # The first calls above were the warm-up.
   times = ctx.time(candidates, warmup=0)
 
-  # What the backward keeps: traced for JAX; saved_tensors_hooks for torch eager.
-  residual = {
-      BASELINE: metrics.residual_bytes(lambda h, w: _plain(h, w, y), h, w),
-      "jaxfuse-xla": metrics.residual_bytes(
-          lambda h, w: linear_cross_entropy(h, w, y, implementation="xla"), h, w),
-      "jaxfuse-xla[grad_in_forward]": metrics.residual_bytes(
-          lambda h, w: linear_cross_entropy(h, w, y, grad_in_forward=True), h, w),
-  }
-  with dispatch.pallas_interpret(not ctx.native("pallas")):
-    pallas_fn = lambda h, w: linear_cross_entropy(h, w, y, implementation="pallas")  # noqa
-    residual["jaxfuse-pallas"] = metrics.residual_bytes(pallas_fn, h, w)
-    pallas_bytes = metrics.bytes_moved(jax.value_and_grad(pallas_fn, argnums=(0, 1)), h, w)
-  if tokamax_loss is not None and "tokamax-xla" in outputs:
-    residual["tokamax-xla"] = metrics.residual_bytes(lambda h, w_t: tokamax_loss(h, w_t, y),
-                                                     h, w_t)
-  th_, tw_ = th.detach().requires_grad_(), tw.detach().requires_grad_()
-  residual["torch-eager"] = metrics.torch_residual_bytes(lambda: _torch_loss(th_, tw_, ty),
-                                                         exclude=[th_, tw_, ty])
-  if "torch-compile" in outputs:
-    notes.setdefault("torch-compile", "residual bytes: saved_tensors_hooks do not see "
-                     "compiled graphs")
+  # What the backward keeps: traced for JAX; saved_tensors_hooks for torch.
+  residual = {name: harness.residual_bytes(losses[name], args)
+              for name, (_, args) in steps.items() if name != "jaxfuse-pallas"}
+  with dispatch.pallas_interpret(not ctx.native("pallas")):  # traced, never run
+    residual["jaxfuse-pallas"] = harness.residual_bytes(_pallas_loss(y), (h, w))
+  pallas_bytes = harness.step_bytes_moved(_pallas_loss(y), (h, w))
+  for name, loss in torch_losses.items():
+    if name in outputs:
+      residual[name] = harness.torch_residual_bytes(loss, t_args, n_diff=2)
 
+  pallas_errors = None
   if not ctx.native("pallas"):
     err, grad_err, units = _pallas_small_errors()
     pallas_errors = (err, grad_err)
     notes["jaxfuse-pallas"] = (f"CPU: no time (needs a GPU); errors from interpret mode at "
                                f"N={INTERPRET_SHAPE[0]} D={INTERPRET_SHAPE[1]} "
-                               f"V={INTERPRET_SHAPE[2]} (grad err {units:.2f} x fp32 tol); "
-                               f"bytes moved from the block specs")
-  else:
-    pallas_errors = None
+                               f"V={INTERPRET_SHAPE[2]} (grad err {units:.2f} x fp32 tol)")
 
-  peaks = _peaks(steps, th, tw, ty) if ctx.platform == "gpu" else {}
+  peaks = _peaks(steps, t_args) if ctx.platform == "gpu" else {}
   reference = outputs["torch-eager"]
   torch_ms = (times.get("torch-eager") or {}).get("median")
   records = []
   order = [BASELINE, "jaxfuse-xla", "jaxfuse-xla[grad_in_forward]", "jaxfuse-pallas",
            "tokamax-xla", "torch-eager", "torch-compile"]
   for name in order:
-    if name == "tokamax-xla" and not with_peers:
-      continue
-    if name == "torch-compile" and not with_peers:
+    if name in ("tokamax-xla", "torch-compile") and not with_peers:
       continue
     out = outputs.get(name)
-    err = grad_err = None
-    note = notes.get(name)
+    r = Record(SUITE, case, name, ctx.platform, "float32", note=notes.get(name))
+    records.append(r)
+    r.set("time_ms", times.get(name), harness.time_source(times.get(name)))
+    r.set("flops", 6 * n * d * v, "modelled: 6·N·D·V (three N×D×V matmuls)")
     if name == "jaxfuse-pallas" and pallas_errors is not None:
-      err, grad_err = pallas_errors
+      where = "Pallas interpret mode at N={} D={} V={}".format(*INTERPRET_SHAPE)
+      harness.set_errors(r, pallas_errors, f"{where} against {REFERENCE}")
     elif out is not None and name != "torch-eager":
-      err = harness.max_abs_err(out[0], reference[0])
-      grad_err = harness.max_abs_err(out[1], reference[1])
+      harness.set_errors(r, harness.errors(out, reference),
+                         f"the timed step's own outputs against {REFERENCE}")
       if name.startswith("jaxfuse"):
-        units = _tolerance_units(out[1], reference[1])
-        extra = f"grad err {units:.2f} x fp32 tol"
+        extra = f"grad err {_tolerance_units(out[1], reference[1]):.2f} x fp32 tol"
         if times.get(name) and torch_ms:
           extra = f"time / torch-eager = {times[name]['median'] / torch_ms:.2f}; " + extra
-        note = f"{note}; {extra}" if note else extra
-    if name == "tokamax-xla" and out is None and note is None:
-      note = "tokamax is not installed"
-    records.append(Record(
-        SUITE, case, name, ctx.platform, "float32", time_ms=times.get(name),
-        residual_bytes=residual.get(name) if (out is not None or name == "jaxfuse-pallas")
-        else None,
-        bytes_moved=pallas_bytes if name == "jaxfuse-pallas" else None,
-        flops=6 * n * d * v, peak_bytes=peaks.get(name),
-        max_abs_err=err, max_grad_err=grad_err,
-        reference=REFERENCE if (err is not None) else None, note=note))
-  set_ratios(records, BASELINE)
+        r.add_note(extra)
+    if r.max_abs_err is not None:
+      r.reference = REFERENCE
+    if name == "tokamax-xla" and out is None and r.note is None:
+      r.note = "tokamax is not installed"
+    if out is not None or name == "jaxfuse-pallas":
+      source = (rec.TORCH_RESIDUAL_SOURCE if name.startswith("torch")
+                else rec.JAX_RESIDUAL_SOURCE)
+      r.set("residual_bytes", residual.get(name), source)
+    if name == "jaxfuse-pallas":
+      r.set("bytes_moved", pallas_bytes, rec.KERNEL_BYTES_SOURCE)
+    if name in steps:
+      ctx.step(f"{case}: {name} compiled figures")
+      harness.record_compiled_figures(r, *steps[name])
+    if name in peaks:
+      r.set("peak_bytes", *peaks[name])
+  harness.ratio_to_fastest(records, (BASELINE,))
   return records
 
 
-def _peaks(steps, th, tw, ty):
+def _peaks(steps, t_args):
   """GPU only: XLA's compiled footprint (arguments + outputs + temporaries) for JAX rows, and
-  torch's peak allocation for torch-eager."""
+  torch's peak allocation for torch-eager; ``name -> (bytes, source)``."""
   import torch
 
   peaks = {}
-  for name, (fn, args) in steps.items():
-    stats = metrics.compiled_memory(fn, *args)
-    peaks[name] = stats["argument_bytes"] + stats["output_bytes"] + stats["temp_bytes"]
+  for name, (step, args) in steps.items():
+    stats = metrics.compiled_memory(lambda *a, step=step: step(a), *args)
+    peaks[name] = (stats["argument_bytes"] + stats["output_bytes"] + stats["temp_bytes"],
+                   "XLA compiled memory analysis: argument + output + temp bytes "
+                   "(jaxfuse.metrics.compiled_memory)")
   if torch.cuda.is_available():
     torch.cuda.reset_peak_memory_stats()
-    _torch_step(_torch_loss, th, tw, ty)
-    peaks["torch-eager"] = int(torch.cuda.max_memory_allocated())
+    harness.torch_step(_torch_loss, n_diff=2)(t_args)
+    peaks["torch-eager"] = (int(torch.cuda.max_memory_allocated()),
+                            "torch.cuda.max_memory_allocated over one step, after a reset")
   return peaks
+
+
+def headline(records) -> list[Record]:
+  """Every row of the main case (MAIN_CASE: N=8192 D=1024 V=32000)."""
+  main = "N={} D={} V={}".format(*MAIN_CASE)
+  return [r for r in records if r.case == main]
 
 
 def run(ctx) -> list[Record]:

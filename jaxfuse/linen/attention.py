@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from jaxfuse.nnx.attention import attention_torch_params
 from jaxfuse.ops.flash_attention.heads import attend_projected
 
 Initializer = Callable[..., jax.Array]
@@ -125,6 +126,12 @@ class MultiHeadDotProductAttention(nn.Module):
                            use_bias=self.use_bias, dtype=self.dtype,
                            param_dtype=self.param_dtype, precision=self.precision,
                            name="out")(x)
+
+  @property
+  def TORCH_PARAMS(self) -> dict:  # noqa: N802 (the name every module's map has)
+    """``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` torch ``nn.Linear`` weights (and biases),
+    as :func:`jaxfuse.nnx.attention.attention_torch_params`."""
+    return attention_torch_params(self.use_bias, self.normalize_qk)
 
 
 class MultiHeadAttention(MultiHeadDotProductAttention):

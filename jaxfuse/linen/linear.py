@@ -49,4 +49,11 @@ class RecomputeLinear(nn.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     return linear_ops.recompute_linear(*self.arrays(x), implementation=self.implementation)
 
-  TORCH_PARAMS = {("weight",): ("weight", False), ("bias",): ("bias", False)}
+  @property
+  def TORCH_PARAMS(self) -> dict:  # noqa: N802 (the name every module's map has)
+    """``weight`` and ``bias`` (with ``use_bias``) under torch ``nn.Linear``'s names and
+    layout."""
+    params = {("weight",): ("weight", False)}
+    if self.use_bias:
+      params[("bias",)] = ("bias", False)
+    return params

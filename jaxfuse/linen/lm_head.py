@@ -82,3 +82,13 @@ class LMHead(nn.Module):
         label_smoothing=self.label_smoothing, z_loss=self.z_loss,
         logit_softcap=self.logit_softcap, chunk_size=self.chunk_size,
         grad_in_forward=self.grad_in_forward, implementation=self.implementation)
+
+  @property
+  def TORCH_PARAMS(self) -> dict:  # noqa: N802 (the name every module's map has)
+    """``kernel`` as ``weight`` (``[V, D]``, torch ``nn.Linear(D, V)``'s layout) and, with
+    ``use_bias``, ``bias``. A head called with ``weight=`` (tied) has no kernel: leave the
+    ``("kernel",)`` entry out, and pass the rest as ``mapping=`` to :mod:`jaxfuse.interop`."""
+    params = {("kernel",): ("weight", False)}
+    if self.use_bias:
+      params[("bias",)] = ("bias", False)
+    return params

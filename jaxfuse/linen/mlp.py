@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from jaxfuse.nnx.mlp import linear_torch_params
 from jaxfuse.remat import mlp as blocks
 
 _DEFAULT_KERNEL_INIT = nn.initializers.lecun_normal()
@@ -87,6 +88,12 @@ class GatedMLP(nn.Module):
                             activation=self.activation, recompute=self.recompute,
                             precision=self.precision, implementation=self.implementation)
 
+  @property
+  def TORCH_PARAMS(self) -> dict:  # noqa: N802 (the name every module's map has)
+    """Hugging Face ``LlamaMLP``'s names, as :attr:`jaxfuse.nnx.GatedMLP.TORCH_PARAMS`."""
+    return linear_torch_params(dict.fromkeys(("gate_proj", "up_proj", "down_proj"),
+                                             self.use_bias))
+
 
 class MLP(nn.Module):
   """``down_proj(act(up_proj(x)))`` with ``up_proj``'s bias and the activation fused.
@@ -126,3 +133,9 @@ class MLP(nn.Module):
     x, w1, b1, w2, b2 = nn.dtypes.promote_dtype(x, w1, b1, w2, b2, dtype=self.dtype)
     return blocks.mlp(x, w1, b1, w2, b2, activation=self.activation, recompute=self.recompute,
                       precision=self.precision, implementation=self.implementation)
+
+  @property
+  def TORCH_PARAMS(self) -> dict:  # noqa: N802 (the name every module's map has)
+    """``up_proj`` and ``down_proj`` torch ``nn.Linear`` names, as
+    :attr:`jaxfuse.nnx.MLP.TORCH_PARAMS`."""
+    return linear_torch_params({"up_proj": True, "down_proj": self.use_bias})

@@ -39,6 +39,14 @@ def _inputs(x, params, dtype):
   return jnp.asarray(x, compute), out_dtype
 
 
+def _norm_params(use_scale: bool, use_bias: bool) -> dict:
+  """The torch map of a norm's parameters: ``scale`` is ``weight``, ``bias`` is ``bias``."""
+  params = {("scale",): ("weight", False)} if use_scale else {}
+  if use_bias:
+    params[("bias",)] = ("bias", False)
+  return params
+
+
 def _checked_scale(module, x, mask):
   """Rejects the options jaxfuse does not take; creates the module's scale (None if unused).
   The field declarations stay in each class: they are flax's, in flax's order (drop-in)."""
@@ -81,6 +89,12 @@ class LayerNorm(nn.Module):
     y = ops.layer_norm(x, scale, bias, eps=self.epsilon, implementation=self.implementation)
     return y.astype(out_dtype)
 
+  @property
+  def TORCH_PARAMS(self) -> dict:  # noqa: N802 (the name every module's map has)
+    """``scale`` and ``bias`` (with ``use_scale``, ``use_bias``) as ``torch.nn.LayerNorm``
+    names them: ``weight`` and ``bias``."""
+    return _norm_params(self.use_scale, self.use_bias)
+
 
 class RMSNorm(nn.Module):
   """RMS normalization over the last axis (as ``flax.linen.RMSNorm``).
@@ -108,3 +122,8 @@ class RMSNorm(nn.Module):
     x, out_dtype = _inputs(x, (scale,), self.dtype)
     y = ops.rms_norm(x, scale, eps=self.epsilon, implementation=self.implementation)
     return y.astype(out_dtype)
+
+  @property
+  def TORCH_PARAMS(self) -> dict:  # noqa: N802 (the name every module's map has)
+    """``scale`` (with ``use_scale``) as ``torch.nn.RMSNorm`` names it: ``weight``."""
+    return _norm_params(self.use_scale, False)

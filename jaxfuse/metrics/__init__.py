@@ -1,24 +1,31 @@
 """Measurements: residual bytes, bytes moved, timing and device memory."""
 
+from jaxfuse.metrics import traffic, triton_traffic
 from jaxfuse.metrics.cost import KernelCost, bytes_moved, kernel_costs, xla_cost
 from jaxfuse.metrics.memory import compiled_memory, peak_bytes
 from jaxfuse.metrics.residuals import Residual, residual_bytes, residuals
 from jaxfuse.metrics.timing import Timing, interleaved, time_fn
 from jaxfuse.metrics.torch_residuals import torch_residual_bytes, torch_saved_tensors
+from jaxfuse.metrics.traffic import KernelTraffic, OperandTraffic, kernel_traffic
 
 __all__ = [
     "KernelCost",
+    "KernelTraffic",
+    "OperandTraffic",
     "Residual",
     "Timing",
     "bytes_moved",
     "compiled_memory",
     "interleaved",
     "kernel_costs",
+    "kernel_traffic",
     "peak_bytes",
     "residual_bytes",
     "residuals",
     "time_fn",
     "torch_residual_bytes",
     "torch_saved_tensors",
+    "traffic",
+    "triton_traffic",
     "xla_cost",
 ]

@@ -91,6 +91,13 @@ class DecoderConfig:
   param_dtype: Any = jnp.float32
 
   def __post_init__(self):
+    # Defaults that depend on other fields are resolved here, so that every config compares
+    # equal to the same config spelled out.
+    if self.num_kv_heads is None:
+      object.__setattr__(self, "num_kv_heads", self.num_heads)
+    if self.head_dim is None and isinstance(self.num_heads, int) and self.num_heads > 0 \
+        and self.d_model % self.num_heads == 0:
+      object.__setattr__(self, "head_dim", self.d_model // self.num_heads)
     positive = ("vocab_size", "d_model", "num_layers", "num_heads", "mlp_dim", "max_seq_len")
     for name in positive:
       value = getattr(self, name)
@@ -104,23 +111,19 @@ class DecoderConfig:
     if self.num_heads % self.kv_heads:
       raise ValueError(f"DecoderConfig: num_kv_heads ({self.kv_heads}) must divide num_heads "
                        f"({self.num_heads})")
-    if self.head_dim is None and self.d_model % self.num_heads:
+    if self.head_dim is None:
       raise ValueError(f"DecoderConfig: d_model ({self.d_model}) must be divisible by "
                        f"num_heads ({self.num_heads}), or give head_dim")
-    if self.head_dim_or_default % 2:
+    if self.head_dim % 2:
       raise ValueError(f"DecoderConfig: the rotary embedding needs an even head_dim, got "
-                       f"{self.head_dim_or_default}")
+                       f"{self.head_dim}")
     if not self.rms_norm_eps >= 0 or not self.rope_theta > 0:
       raise ValueError(f"DecoderConfig: rms_norm_eps must be >= 0 and rope_theta > 0, got "
                        f"{self.rms_norm_eps} and {self.rope_theta}")
 
   @property
   def kv_heads(self) -> int:
-    return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
-
-  @property
-  def head_dim_or_default(self) -> int:
-    return self.d_model // self.num_heads if self.head_dim is None else self.head_dim
+    return self.num_kv_heads
 
   def replace(self, **changes) -> DecoderConfig:
     return dataclasses.replace(self, **changes)
@@ -215,7 +218,7 @@ class DecoderConfig:
     common = dict(vocab_size=self.vocab_size, hidden_size=self.d_model,
                   intermediate_size=self.mlp_dim, num_hidden_layers=self.num_layers,
                   num_attention_heads=self.num_heads, num_key_value_heads=self.kv_heads,
-                  head_dim=self.head_dim_or_default, rms_norm_eps=self.rms_norm_eps,
+                  head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps,
                   rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
                   tie_word_embeddings=self.tie_embeddings, hidden_act="silu",
                   max_position_embeddings=self.max_seq_len,

@@ -76,7 +76,7 @@ class Attention(nnx.Module):
 
   def __init__(self, cfg: DecoderConfig, *, fused: bool, implementation: str | None,
                rngs: nnx.Rngs):
-    hd = cfg.head_dim_or_default
+    hd = cfg.head_dim
     self.cfg = cfg
     self.fused = fused
     self.implementation = implementation
@@ -86,7 +86,7 @@ class Attention(nnx.Module):
     self.o_proj = _linear(cfg, cfg.num_heads * hd, cfg.d_model, cfg.o_bias, rngs)
 
   def _heads(self, x, positions):
-    cfg, hd = self.cfg, self.cfg.head_dim_or_default
+    cfg, hd = self.cfg, self.cfg.head_dim
     lead = x.shape[:-1]
     q = _project(self.q_proj, x, self.fused).reshape(*lead, cfg.num_heads, hd)
     k = _project(self.k_proj, x, self.fused).reshape(*lead, cfg.kv_heads, hd)
@@ -257,7 +257,7 @@ class Decoder(nnx.Module):
     cfg = self.cfg
     max_len = max_len or cfg.max_seq_len
     dtype = dtype or cfg.dtype
-    shape = (batch, max_len, cfg.kv_heads, cfg.head_dim_or_default)
+    shape = (batch, max_len, cfg.kv_heads, cfg.head_dim)
     layers = [{"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
               for _ in range(cfg.num_layers)]
     return {"layers": layers, "length": jnp.zeros((), jnp.int32)}

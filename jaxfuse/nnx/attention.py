@@ -23,6 +23,30 @@ Initializer = Callable[..., jax.Array]
 default_kernel_init = initializers.lecun_normal()
 
 
+def attention_torch_params(use_bias: bool, normalize_qk: bool) -> dict:
+  """The torch map of an attention module's parameters: separate ``q_proj``, ``k_proj``,
+  ``v_proj`` and ``o_proj`` ``nn.Linear`` weights ``[out, in]`` (Hugging Face's names).
+
+  The ``LinearGeneral`` kernels ``[in, heads, head_dim]`` are flattened over their last two axes
+  and transposed; ``out``'s ``[heads, head_dim, out]`` over its first two; the q/k/v biases
+  ``[heads, head_dim]`` are flattened. ``query_ln`` and ``key_ln`` (``normalize_qk``) are
+  ``q_norm.weight`` and ``k_norm.weight``: a ``torch.nn.LayerNorm(head_dim, bias=False)``
+  applied per head.
+  """
+  params = {}
+  for name, key in (("query", "q_proj"), ("key", "k_proj"), ("value", "v_proj")):
+    params[(name, "kernel")] = (f"{key}.weight", True, (1, 2))
+    if use_bias:
+      params[(name, "bias")] = (f"{key}.bias", False, (0, 1))
+  params[("out", "kernel")] = ("o_proj.weight", True, (0, 1))
+  if use_bias:
+    params[("out", "bias")] = ("o_proj.bias", False)
+  if normalize_qk:
+    params[("query_ln", "scale")] = ("q_norm.weight", False)
+    params[("key_ln", "scale")] = ("k_norm.weight", False)
+  return params
+
+
 class MultiHeadAttention(nnx.Module):
   """Multi-head (and grouped-query) attention whose backward recomputes the scores.
 
@@ -179,6 +203,21 @@ class MultiHeadAttention(nnx.Module):
                          segment_ids=segment_ids, kv_lengths=kv_lengths,
                          implementation=self.implementation)
     return self.out(x)
+
+  @property
+  def TORCH_PARAMS(self) -> dict:  # noqa: N802 (the name every module's map has)
+    """``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` torch ``nn.Linear`` weights (and biases)
+    as Hugging Face's attention has them; see :func:`attention_torch_params`.
+
+    Example:
+      >>> from flax import nnx
+      >>> import jaxfuse.nnx
+      >>> layer = jaxfuse.nnx.MultiHeadAttention(num_heads=4, in_features=32, num_kv_heads=2,
+      ...                                        use_bias=False, rngs=nnx.Rngs(0))
+      >>> layer.TORCH_PARAMS[("key", "kernel")]   # [32, 2, 8] -> [2 * 8, 32]
+      ('k_proj.weight', True, (1, 2))
+    """
+    return attention_torch_params(self.use_bias, self.normalize_qk)
 
 
 class SelfAttention(MultiHeadAttention):

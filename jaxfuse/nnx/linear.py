@@ -48,4 +48,17 @@ class RecomputeLinear(nnx.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     return linear_ops.recompute_linear(*self.arrays(x), implementation=self.implementation)
 
-  TORCH_PARAMS = {("weight",): ("weight", False), ("bias",): ("bias", False)}
+  @property
+  def TORCH_PARAMS(self) -> dict:  # noqa: N802 (the name every module's map has)
+    """``weight`` and ``bias`` under torch ``nn.Linear``'s names, in its layout.
+
+    Example:
+      >>> from flax import nnx
+      >>> from jaxfuse.nnx import RecomputeLinear
+      >>> RecomputeLinear(3, 4, use_bias=False, rngs=nnx.Rngs(0)).TORCH_PARAMS
+      {('weight',): ('weight', False)}
+    """
+    params = {("weight",): ("weight", False)}
+    if self.bias is not None:
+      params[("bias",)] = ("bias", False)
+    return params

@@ -115,3 +115,22 @@ class LMHead(nnx.Module):
     if labels is None or self.deterministic:
       return self.logits(h)
     return self.loss(h, labels)
+
+  @property
+  def TORCH_PARAMS(self) -> dict:  # noqa: N802 (the name every module's map has)
+    """``weight`` (``[V, D]``, as torch ``nn.Linear(D, V)`` has it; none when tied: the
+    embedding owns it) and ``bias``.
+
+    Example:
+      >>> from flax import nnx
+      >>> from jaxfuse.nnx import LMHead
+      >>> LMHead(16, 100, rngs=nnx.Rngs(0)).TORCH_PARAMS
+      {('kernel',): ('weight', False)}
+      >>> LMHead(16, tie_to=nnx.Embed(100, 16, rngs=nnx.Rngs(0)), use_bias=True,
+      ...        rngs=nnx.Rngs(0)).TORCH_PARAMS
+      {('bias',): ('bias', False)}
+    """
+    params = {("kernel",): ("weight", False)} if self.kernel is not None else {}
+    if self.bias is not None:
+      params[("bias",)] = ("bias", False)
+    return params

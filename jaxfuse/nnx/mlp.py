@@ -32,6 +32,17 @@ def _values(*params):
   return [None if p is None else p[...] for p in params]
 
 
+def linear_torch_params(projections: dict[str, bool]) -> dict:
+  """The torch map of flax ``Linear`` projections: ``{name: has_bias}`` to ``name.weight``
+  (the kernel, transposed) and ``name.bias``, as torch ``nn.Linear`` submodules name them."""
+  params = {}
+  for name, has_bias in projections.items():
+    params[(name, "kernel")] = (f"{name}.weight", True)
+    if has_bias:
+      params[(name, "bias")] = (f"{name}.bias", False)
+  return params
+
+
 def _keep_settings(module, activation, dtype, precision, recompute, implementation):
   """Checks ``recompute`` and stores the settings both blocks pass to :mod:`jaxfuse.remat.mlp`."""
   if recompute not in blocks.RECOMPUTE:
@@ -94,6 +105,20 @@ class GatedMLP(nnx.Module):
                             activation=self.activation, recompute=self.recompute,
                             precision=self.precision, implementation=self.implementation)
 
+  @property
+  def TORCH_PARAMS(self) -> dict:  # noqa: N802 (the name every module's map has)
+    """Hugging Face ``LlamaMLP``'s names: ``gate_proj.weight``, ``up_proj.weight``,
+    ``down_proj.weight`` (torch ``[out, in]``: the kernels transposed) and their biases.
+
+    Example:
+      >>> from flax import nnx
+      >>> from jaxfuse.nnx import GatedMLP
+      >>> sorted(key for key, _ in GatedMLP(8, 32, rngs=nnx.Rngs(0)).TORCH_PARAMS.values())
+      ['down_proj.weight', 'gate_proj.weight', 'up_proj.weight']
+    """
+    return linear_torch_params({name: getattr(self, name).bias is not None
+                                for name in ("gate_proj", "up_proj", "down_proj")})
+
 
 class MLP(nnx.Module):
   """``down_proj(act(up_proj(x)))`` with ``up_proj``'s bias and the activation fused
@@ -138,3 +163,10 @@ class MLP(nnx.Module):
     x, w1, b1, w2, b2 = dtypes.promote_dtype(arrays, dtype=self.dtype)
     return blocks.mlp(x, w1, b1, w2, b2, activation=self.activation, recompute=self.recompute,
                       precision=self.precision, implementation=self.implementation)
+
+  @property
+  def TORCH_PARAMS(self) -> dict:  # noqa: N802 (the name every module's map has)
+    """``up_proj.weight``, ``up_proj.bias``, ``down_proj.weight`` and (with ``use_bias``)
+    ``down_proj.bias``: torch ``nn.Linear`` submodules of those names (weights ``[out, in]``)."""
+    return linear_torch_params({"up_proj": True,
+                                "down_proj": self.down_proj.bias is not None})

@@ -55,6 +55,24 @@ class _LastAxisNorm(nnx.Module):
                              reduction_axes=self.reduction_axes, feature_axes=self.feature_axes,
                              axis_name=self.axis_name, mask=mask)
 
+  @property
+  def TORCH_PARAMS(self) -> dict:  # noqa: N802 (the name every module's map has)
+    """``scale`` and ``bias`` (those the module has) as ``torch.nn.LayerNorm`` /
+    ``torch.nn.RMSNorm`` name them: ``weight`` and ``bias``.
+
+    Example:
+      >>> from flax import nnx
+      >>> from jaxfuse.nnx import LayerNorm
+      >>> LayerNorm(8, rngs=nnx.Rngs(0)).TORCH_PARAMS
+      {('scale',): ('weight', False), ('bias',): ('bias', False)}
+    """
+    params = {}
+    if self.scale is not None:
+      params[("scale",)] = ("weight", False)
+    if getattr(self, "bias", None) is not None:
+      params[("bias",)] = ("bias", False)
+    return params
+
 
 class LayerNorm(_LastAxisNorm):
   """Layer normalization over the last axis (as ``flax.nnx.LayerNorm``).

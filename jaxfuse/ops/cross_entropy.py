@@ -16,6 +16,16 @@ exists at any time, in the forward and in the backward:
   incoming cotangent. The backward then keeps those gradients alive: ``h``'s and ``weight``'s
   size instead of a few bytes a token. It needs a scalar loss (``reduction="mean"`` or
   ``"sum"``), and the returned logsumexp carries no gradient in this mode.
+
+Derivatives: reverse mode to any order. ``jax.grad`` of a function of ``jax.grad`` and
+Hessian-vector products by forward over reverse (``jax.jvp(jax.grad(f), ...)``) differentiate
+the backward pass, whose kernels take the derivative of their XLA twins
+(:func:`jaxfuse.ops.base.kernel_call`); with ``grad_in_forward=True`` they differentiate the
+forward pass that computed the gradients. Second-order gradients recompute the logits in XLA
+and keep every chunk's intermediates for their own backward (several times the full logits):
+they are for small problems and checks, not for the memory savings above. Forward mode on the
+op itself (``jax.jvp(linear_cross_entropy, ...)``) is not supported: the op is a
+``jax.custom_vjp`` function, for which JAX raises a TypeError.
 """
 
 from __future__ import annotations
@@ -29,10 +39,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxfuse.ops import activations, checks, dispatch
+from jaxfuse.ops import activations, base, checks
 
-_IMPLEMENTATIONS = ("pallas", "xla")
-_PREFERENCE = {"gpu": ("pallas", "xla"), "cpu": ("xla",)}
+LINEAR_CROSS_ENTROPY = base.Op("linear_cross_entropy", ("pallas", "xla"))
+
 _REDUCTIONS = ("mean", "sum", "none")
 _HIGHEST = lax.Precision.HIGHEST
 # Elements of logits per chunk when chunk_size is None (the chunk's logits take 4x this in
@@ -40,24 +50,6 @@ _HIGHEST = lax.Precision.HIGHEST
 # the caches. Measured on CPU with the xent benchmark.
 _CHUNK_ELEMENTS = 1 << 25
 _MIN_CHUNK, _MAX_CHUNK = 8, 4096
-
-_OP = "linear_cross_entropy"
-
-
-@dataclasses.dataclass(frozen=True)
-class _Config:
-  """Static settings shared by the forward and the backward."""
-
-  vocab: int
-  ignore_index: int
-  label_smoothing: float
-  z_loss: float
-  softcap: float | None
-  chunk: int
-  impl: str
-  interpret: bool
-  accuracy: bool
-  has_bias: bool
 
 
 # Reference: full logits ------------------------------------------------------------------------
@@ -78,7 +70,7 @@ def linear_cross_entropy_reference(h, weight, labels, *, bias=None, ignore_index
     >>> float(linear_cross_entropy_reference(h, w, jnp.array([0, 1])))  # doctest: +ELLIPSIS
     1.098...
   """
-  cd = jnp.promote_types(h.dtype, jnp.float32)
+  cd = base.compute_dtype(h.dtype)
   logits = lax.dot_general(h, weight, (((h.ndim - 1,), (1,)), ((), ())), precision=_HIGHEST,
                            preferred_element_type=cd)
   if bias is not None:
@@ -107,6 +99,98 @@ def _reduce(per_token, valid, reduction):
   return total / jnp.sum(valid).astype(total.dtype)
 
 
+# Checks and config -----------------------------------------------------------------------------
+
+
+def _check(h, weight, labels, bias, reduction, label_smoothing, z_loss, logit_softcap,
+           chunk_size):
+  op = LINEAR_CROSS_ENTROPY.name
+  checks.floating(op, "h", h)
+  checks.floating(op, "weight", weight)
+  checks.rank(op, "weight", weight, 2)
+  if h.ndim < 1:
+    raise ValueError(f"{op}: h must have rank >= 1 ([..., D]), got shape {tuple(h.shape)}")
+  checks.same_dtype(op, ("h", "weight"), (h, weight))
+  checks.dim(op, "weight", weight, 1, h.shape[-1], "h's last axis, D")
+  if weight.shape[0] < 1:
+    raise ValueError(f"{op}: the vocabulary (weight.shape[0], V) must be at least 1, got weight "
+                     f"of shape {tuple(weight.shape)}")
+  if not jnp.issubdtype(labels.dtype, jnp.integer):
+    raise TypeError(f"{op}: labels must have an integer dtype, got {jnp.dtype(labels.dtype).name}")
+  if tuple(labels.shape) != tuple(h.shape[:-1]):
+    raise ValueError(f"{op}: labels must have shape h.shape[:-1] = {tuple(h.shape[:-1])}, got "
+                     f"shape {tuple(labels.shape)}")
+  vocab = weight.shape[0]
+  if bias is not None:
+    checks.floating(op, "bias", bias)
+    checks.same_dtype(op, ("h", "bias"), (h, bias))
+    if tuple(bias.shape) != (vocab,):
+      raise ValueError(f"{op}: bias must have shape (V,) = ({vocab},), got shape "
+                       f"{tuple(bias.shape)}")
+  if reduction not in _REDUCTIONS:
+    raise ValueError(f"{op}: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+  if not 0.0 <= float(label_smoothing) <= 1.0:
+    raise ValueError(f"{op}: label_smoothing must be in [0, 1], got {label_smoothing!r}")
+  if float(z_loss) < 0.0:
+    raise ValueError(f"{op}: z_loss must be >= 0, got {z_loss!r}")
+  if logit_softcap is not None and not float(logit_softcap) > 0.0:
+    raise ValueError(f"{op}: logit_softcap must be None or > 0, got {logit_softcap!r}")
+  if chunk_size is not None and (not isinstance(chunk_size, (int, np.integer))
+                                 or isinstance(chunk_size, bool) or chunk_size < 1):
+    raise ValueError(f"{op}: chunk_size must be None or a positive int, got {chunk_size!r}")
+
+
+def _check_label_range(labels, vocab, ignore_index):
+  """Concrete labels are checked; traced ones cannot be (their loss is NaN, see the docs)."""
+  try:
+    values = np.asarray(labels)
+  except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+    return
+  bad = (values != ignore_index) & ((values < 0) | (values >= vocab))
+  if bad.any():
+    first = values[bad].flat[0]
+    raise ValueError(f"{LINEAR_CROSS_ENTROPY.name}: labels must be in [0, {vocab}) "
+                     f"(V = weight.shape[0]) or ignore_index={ignore_index}; got "
+                     f"{int(bad.sum())} out of range, e.g. {int(first)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config(base.Config):
+  """Static settings shared by the forward and the backward."""
+
+  vocab: int
+  ignore_index: int
+  label_smoothing: float
+  z_loss: float
+  softcap: float | None
+  chunk: int         # tokens per chunk of logits
+  accuracy: bool     # the argmax is needed
+  has_bias: bool
+
+
+def _config(n, vocab, *, ignore_index, label_smoothing, z_loss, logit_softcap, chunk_size,
+            grad_in_forward, reduction, return_accuracy, has_bias, implementation) -> _Config:
+  op = LINEAR_CROSS_ENTROPY
+  backend = op.backend(implementation)
+  if grad_in_forward:
+    if reduction == "none":
+      raise ValueError(f"{op.name}: grad_in_forward=True needs a scalar loss (reduction 'mean' "
+                       f"or 'sum'), got reduction='none'")
+    if backend["impl"] != "xla":
+      raise ValueError(f"{op.name}: grad_in_forward=True is implemented with "
+                       f"implementation='xla', got implementation={backend['impl']!r}")
+  if chunk_size is None:
+    target = max(_MIN_CHUNK, min(_MAX_CHUNK, _CHUNK_ELEMENTS // vocab))
+    # Equal chunks, a multiple of 8 tokens, so that little padding is needed.
+    count = -(-n // target)
+    chunk_size = -(-(-(-n // max(count, 1))) // 8) * 8
+  return _Config(**backend, vocab=vocab, ignore_index=int(ignore_index),
+                 label_smoothing=float(label_smoothing), z_loss=float(z_loss),
+                 softcap=None if logit_softcap is None else float(logit_softcap),
+                 chunk=int(max(1, min(chunk_size, n))), accuracy=bool(return_accuracy),
+                 has_bias=has_bias)
+
+
 # The op ----------------------------------------------------------------------------------------
 
 
@@ -125,7 +209,7 @@ def linear_cross_entropy(h: jax.Array, weight: jax.Array, labels: jax.Array, *,
 
   Args:
     h: hidden states ``[..., D]``, float32, bfloat16 or float16.
-    weight: the output embedding ``[V, D]`` (the tied-embedding layout), h's dtype.
+    weight: the output embedding ``[V, D]`` (the tied-embedding layout), h's dtype; ``V >= 1``.
     labels: integer targets of shape ``h.shape[:-1]``, in ``[0, V)`` or ``ignore_index``.
     bias: optional ``[V]`` bias, h's dtype.
     ignore_index: label value that contributes no loss and no gradient.
@@ -148,12 +232,14 @@ def linear_cross_entropy(h: jax.Array, weight: jax.Array, labels: jax.Array, *,
   Returns:
     The loss in float32 (a scalar, or ``labels.shape`` for ``"none"``). With ``return_lse`` or
     ``return_accuracy``: ``(loss, aux)`` where ``aux`` is a dict with keys ``"lse"`` and/or
-    ``"accuracy"``.
+    ``"accuracy"``. A NaN loss from out-of-range labels (see Raises) comes with NaN gradients.
 
   Raises:
-    ValueError: bad shapes, options, or (for concrete labels) labels outside ``[0, V)`` that
-      are not ``ignore_index``. Under ``jit`` labels cannot be checked: a token whose label is
-      out of range gets a NaN loss, and its gradient is undefined.
+    ValueError: bad shapes (an empty vocabulary, ``weight.shape[0] == 0``, included), options,
+      or (for concrete labels) labels outside ``[0, V)`` that are not ``ignore_index``. Under
+      ``jit`` labels cannot be checked: a token whose label is out of range gets a NaN loss
+      (so a ``"mean"`` or ``"sum"`` loss is NaN) and a NaN logit gradient, so ``dh`` is NaN
+      on its row and ``dweight`` and ``dbias`` are NaN, in every implementation and mode.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -165,9 +251,16 @@ def linear_cross_entropy(h: jax.Array, weight: jax.Array, labels: jax.Array, *,
     >>> loss.shape, grads[1].shape
     ((), (1000, 16))
   """
-  cfg, h2, labels1, bias = _prepare(h, weight, labels, bias, ignore_index, reduction,
-                                    label_smoothing, z_loss, logit_softcap, chunk_size,
-                                    grad_in_forward, return_accuracy, implementation)
+  labels = checks.as_array(labels)
+  _check(h, weight, labels, bias, reduction, label_smoothing, z_loss, logit_softcap, chunk_size)
+  n, vocab = math.prod(labels.shape), weight.shape[0]
+  cfg = _config(n, vocab, ignore_index=ignore_index, label_smoothing=label_smoothing,
+                z_loss=z_loss, logit_softcap=logit_softcap, chunk_size=chunk_size,
+                grad_in_forward=grad_in_forward, reduction=reduction,
+                return_accuracy=return_accuracy, has_bias=bias is not None,
+                implementation=implementation)
+  _check_label_range(labels, vocab, ignore_index)
+  h2, labels1 = h.reshape(n, h.shape[-1]), labels.reshape(n).astype(jnp.int32)
   valid = labels1 != ignore_index
   with jax.named_scope(f"jaxfuse.linear_cross_entropy[{cfg.impl}]"):
     if grad_in_forward:
@@ -195,78 +288,6 @@ def linear_cross_entropy(h: jax.Array, weight: jax.Array, labels: jax.Array, *,
   return loss, aux
 
 
-def _prepare(h, weight, labels, bias, ignore_index, reduction, label_smoothing, z_loss,
-             logit_softcap, chunk_size, grad_in_forward, return_accuracy, implementation):
-  op = _OP
-  checks.floating(op, "h", h)
-  checks.floating(op, "weight", weight)
-  checks.rank(op, "weight", weight, 2)
-  if h.ndim < 1:
-    raise ValueError(f"{op}: h must have rank >= 1 ([..., D]), got shape {tuple(h.shape)}")
-  checks.same_dtype(op, ("h", "weight"), (h, weight))
-  checks.dim(op, "weight", weight, 1, h.shape[-1], "h's last axis, D")
-  labels = checks.as_array(labels)
-  if not jnp.issubdtype(labels.dtype, jnp.integer):
-    raise TypeError(f"{op}: labels must have an integer dtype, got {jnp.dtype(labels.dtype).name}")
-  if tuple(labels.shape) != tuple(h.shape[:-1]):
-    raise ValueError(f"{op}: labels must have shape h.shape[:-1] = {tuple(h.shape[:-1])}, got "
-                     f"shape {tuple(labels.shape)}")
-  vocab = weight.shape[0]
-  if bias is not None:
-    checks.floating(op, "bias", bias)
-    checks.same_dtype(op, ("h", "bias"), (h, bias))
-    if tuple(bias.shape) != (vocab,):
-      raise ValueError(f"{op}: bias must have shape (V,) = ({vocab},), got shape "
-                       f"{tuple(bias.shape)}")
-  if reduction not in _REDUCTIONS:
-    raise ValueError(f"{op}: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
-  if not 0.0 <= float(label_smoothing) <= 1.0:
-    raise ValueError(f"{op}: label_smoothing must be in [0, 1], got {label_smoothing!r}")
-  if float(z_loss) < 0.0:
-    raise ValueError(f"{op}: z_loss must be >= 0, got {z_loss!r}")
-  if logit_softcap is not None and not float(logit_softcap) > 0.0:
-    raise ValueError(f"{op}: logit_softcap must be None or > 0, got {logit_softcap!r}")
-  if chunk_size is not None and (not isinstance(chunk_size, (int, np.integer))
-                                 or isinstance(chunk_size, bool) or chunk_size < 1):
-    raise ValueError(f"{op}: chunk_size must be None or a positive int, got {chunk_size!r}")
-  impl = dispatch.resolve(op, implementation, _IMPLEMENTATIONS, _PREFERENCE)
-  if grad_in_forward:
-    if reduction == "none":
-      raise ValueError(f"{op}: grad_in_forward=True needs a scalar loss (reduction 'mean' or "
-                       f"'sum'), got reduction='none'")
-    if impl != "xla":
-      raise ValueError(f"{op}: grad_in_forward=True is implemented with implementation='xla', "
-                       f"got implementation={impl!r}")
-  _check_label_range(labels, vocab, ignore_index)
-  n = math.prod(labels.shape)
-  if chunk_size is None:
-    target = max(_MIN_CHUNK, min(_MAX_CHUNK, _CHUNK_ELEMENTS // max(vocab, 1)))
-    # Equal chunks, a multiple of 8 tokens, so that little padding is needed.
-    count = -(-n // target)
-    chunk_size = -(-(-(-n // max(count, 1))) // 8) * 8
-  chunk = int(max(1, min(chunk_size, n)))
-  cfg = _Config(vocab=vocab, ignore_index=int(ignore_index),
-                label_smoothing=float(label_smoothing), z_loss=float(z_loss),
-                softcap=None if logit_softcap is None else float(logit_softcap), chunk=chunk,
-                impl=impl, interpret=impl == "pallas" and not dispatch.on_gpu(),
-                accuracy=bool(return_accuracy), has_bias=bias is not None)
-  return cfg, h.reshape(n, h.shape[-1]), labels.reshape(n).astype(jnp.int32), bias
-
-
-def _check_label_range(labels, vocab, ignore_index):
-  """Concrete labels are checked; traced ones cannot be (their loss is NaN, see the docs)."""
-  try:
-    values = np.asarray(labels)
-  except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-    return
-  bad = (values != ignore_index) & ((values < 0) | (values >= vocab))
-  if bad.any():
-    first = values[bad].flat[0]
-    raise ValueError(f"{_OP}: labels must be in [0, {vocab}) (V = weight.shape[0]) or "
-                     f"ignore_index={ignore_index}; got {int(bad.sum())} out of range, e.g. "
-                     f"{int(first)}")
-
-
 # Chunking --------------------------------------------------------------------------------------
 
 
@@ -284,18 +305,24 @@ def _chunked(x, cfg, value=0):
 
 
 def _token_coefficients(labels, lse, g_loss, g_lse, cfg):
-  """Per-token factors of the logit gradient: ``p * a - onehot(label) * b - c``."""
+  """Per-token factors of the logit gradient: ``p * a - onehot(label) * b - c``.
+
+  A label outside ``[0, V)`` that is not ignored (possible only under jit) has a NaN loss; its
+  ``a`` is NaN too, so that its logit gradient, and with it every gradient, is NaN as well.
+  """
   valid = labels != cfg.ignore_index
   g = jnp.where(valid, g_loss, 0.0)
   a = g * (1.0 + 2.0 * cfg.z_loss * lse) if cfg.z_loss else g
   if g_lse is not None:
     a = a + g_lse
+  out_of_range = valid & ((labels < 0) | (labels >= cfg.vocab))
+  a = jnp.where(out_of_range, jnp.nan, a)
   b = g * (1.0 - cfg.label_smoothing)
   c = g * (cfg.label_smoothing / cfg.vocab)
   return a, b, c
 
 
-# XLA chunk math --------------------------------------------------------------------------------
+# The XLA implementation (and the kernels' twins) -----------------------------------------------
 
 
 def _xla_logits(h, weight, bias, cfg):
@@ -308,13 +335,20 @@ def _xla_logits(h, weight, bias, cfg):
   return logits
 
 
-def _xla_stats_from_logits(z, labels, cfg):
+def _xla_stats_from_logits(z, labels, cfg, *, every=False):
+  """``(lse, target, sum, argmax)`` per token; the sum and the argmax are zeros unless label
+  smoothing and accuracy (or ``every``) ask for them. A label outside ``[0, V)`` gathers 0."""
   m = jnp.max(z, axis=-1)
   lse = m + jnp.log(jnp.sum(jnp.exp(z - m[:, None]), axis=-1))
+  in_range = (labels >= 0) & (labels < cfg.vocab)
   safe = jnp.clip(labels, 0, cfg.vocab - 1)
   target = jnp.take_along_axis(z, safe[:, None], axis=-1)[:, 0]
-  sumz = jnp.sum(z, axis=-1) if cfg.label_smoothing else jnp.zeros_like(lse)
-  amax = jnp.argmax(z, axis=-1).astype(jnp.int32) if cfg.accuracy else jnp.zeros_like(labels)
+  target = jnp.where(in_range, target, 0.0)
+  sumz = jnp.sum(z, axis=-1) if cfg.label_smoothing or every else jnp.zeros_like(lse)
+  if cfg.accuracy or every:
+    amax = jnp.argmax(z, axis=-1).astype(jnp.int32)
+  else:
+    amax = jnp.zeros_like(labels)
   return lse, target, sumz, amax
 
 
@@ -330,40 +364,51 @@ def _xla_logit_grad_from_logits(z, labels, lse, a, b, c, cfg):
   return dz
 
 
-def _xla_stats(h, weight, bias, labels, cfg):
+def _xla_stats(h, weight, bias, labels, *, cfg, every=False):
+  """Per-token statistics, chunk by chunk (see :func:`_xla_stats_from_logits`); with
+  ``every``, what the Pallas ``stats_forward`` kernel returns."""
   def chunk(xs):
     hc, yc = xs
-    return _xla_stats_from_logits(_xla_logits(hc, weight, bias, cfg), yc, cfg)
+    return _xla_stats_from_logits(_xla_logits(hc, weight, bias, cfg), yc, cfg, every=every)
 
   outs = lax.map(chunk, (_chunked(h, cfg), _chunked(labels, cfg, cfg.ignore_index)))
   n = h.shape[0]
   return tuple(o.reshape(-1)[:n] for o in outs)
 
 
-# Pallas ----------------------------------------------------------------------------------------
-
-
-def _pallas_stats(h, weight, bias, labels, cfg):
-  from jaxfuse.kernels.pallas import cross_entropy as kernels
-
-  return kernels.stats_forward(h, weight, bias, labels, softcap=cfg.softcap,
-                               interpret=cfg.interpret)
-
-
-def _pallas_logit_grad(hc, weight, bias, yc, lse, a, b, c, cfg):
-  from jaxfuse.kernels.pallas import cross_entropy as kernels
-
-  return kernels.logit_grad(hc, weight, bias, yc, lse, a, b, c, softcap=cfg.softcap,
-                            smoothing=bool(cfg.label_smoothing), interpret=cfg.interpret)
+def _xla_logit_grad(h, weight, bias, labels, lse, a, b, c, *, cfg):
+  """The logit gradient of a chunk of tokens, in h's dtype: what the Pallas ``logit_grad``
+  kernel returns."""
+  z = _xla_logits(h, weight, bias, cfg)
+  return _xla_logit_grad_from_logits(z, labels, lse, a, b, c, cfg).astype(h.dtype)
 
 
 # Forward and backward --------------------------------------------------------------------------
 
 
 def _stats(h, weight, bias, labels, cfg):
+  """``(lse, target, sum, argmax)`` per token (float32, and int32 for the argmax)."""
   if cfg.impl == "pallas":
-    return _pallas_stats(h, weight, bias, labels, cfg)
-  return _xla_stats(h, weight, bias, labels, cfg)
+    from jaxfuse.kernels.pallas import cross_entropy as kernels
+
+    kernel = functools.partial(kernels.stats_forward, softcap=cfg.softcap,
+                               interpret=cfg.interpret)
+    twin = functools.partial(_xla_stats, cfg=cfg, every=True)
+    return base.kernel_call(kernel, twin, h, weight, bias, labels)
+  return _xla_stats(h, weight, bias, labels, cfg=cfg)
+
+
+def _logit_grad(hc, weight, bias, yc, lse, a, b, c, cfg):
+  """One chunk's logit gradient, its logits recomputed: in h's dtype (Pallas) or float32."""
+  if cfg.impl == "pallas":
+    from jaxfuse.kernels.pallas import cross_entropy as kernels
+
+    kernel = functools.partial(kernels.logit_grad, softcap=cfg.softcap,
+                               smoothing=bool(cfg.label_smoothing), interpret=cfg.interpret)
+    twin = functools.partial(_xla_logit_grad, cfg=cfg)
+    return base.kernel_call(kernel, twin, hc, weight, bias, yc, lse, a, b, c)
+  z = _xla_logits(hc, weight, bias, cfg)
+  return _xla_logit_grad_from_logits(z, yc, lse, a, b, c, cfg)
 
 
 def _per_token(labels, lse, target, sumz, amax, cfg):
@@ -377,6 +422,37 @@ def _per_token(labels, lse, target, sumz, amax, cfg):
   loss = jnp.where(valid, jnp.where(in_range, loss, jnp.nan), 0.0)
   correct = (amax == labels).astype(jnp.float32)
   return loss, correct
+
+
+def _backward(h, weight, bias, labels, lse, a, b, c, cfg):
+  """Recomputes each chunk's logits, forms its logit gradient and multiplies it out."""
+  n, d = h.shape
+  cd = jnp.float32
+  mm_dtype = cd if cfg.impl == "xla" else h.dtype
+  w_mm = weight.astype(mm_dtype)
+
+  def step(carry, xs):
+    dw, db = carry
+    hc, yc, lc, ac, bc, cc = xs
+    dz = _logit_grad(hc, weight, bias, yc, lc, ac, bc, cc, cfg)
+    dz_mm = dz.astype(mm_dtype)
+    dhc = jnp.dot(dz_mm, w_mm, precision=_HIGHEST, preferred_element_type=cd)
+    dw = dw + lax.dot_general(dz_mm, hc.astype(mm_dtype), (((0,), (0,)), ((), ())),
+                              precision=_HIGHEST, preferred_element_type=cd)
+    if cfg.has_bias:
+      db = db + jnp.sum(dz, axis=0, dtype=cd)
+    return (dw, db), dhc.astype(h.dtype)
+
+  xs = (_chunked(h, cfg), _chunked(labels, cfg, cfg.ignore_index), _chunked(lse, cfg),
+        _chunked(a, cfg), _chunked(b, cfg), _chunked(c, cfg))
+  init = (jnp.zeros(weight.shape, cd), jnp.zeros((cfg.vocab,) if cfg.has_bias else (), cd))
+  (dw, db), dh = lax.scan(step, init, xs)
+  dh = dh.reshape(-1, d)[:n]
+  db = db.astype(bias.dtype) if cfg.has_bias else None
+  return dh, dw.astype(weight.dtype), db
+
+
+# The custom VJP --------------------------------------------------------------------------------
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -399,39 +475,8 @@ def _lce_bwd(cfg, residuals, cotangents):
   return dh, dw, db, None
 
 
-_lce.defvjp(_lce_fwd, _lce_bwd, optimize_remat=True)
-
-
-def _backward(h, weight, bias, labels, lse, a, b, c, cfg):
-  """Recomputes each chunk's logits, forms its logit gradient and multiplies it out."""
-  n, d = h.shape
-  cd = jnp.float32
-  mm_dtype = cd if cfg.impl == "xla" else h.dtype
-  w_mm = weight.astype(mm_dtype)
-
-  def step(carry, xs):
-    dw, db = carry
-    hc, yc, lc, ac, bc, cc = xs
-    if cfg.impl == "pallas":
-      dz = _pallas_logit_grad(hc, weight, bias, yc, lc, ac, bc, cc, cfg)
-    else:
-      z = _xla_logits(hc, weight, bias, cfg)
-      dz = _xla_logit_grad_from_logits(z, yc, lc, ac, bc, cc, cfg)
-    dz_mm = dz.astype(mm_dtype)
-    dhc = jnp.dot(dz_mm, w_mm, precision=_HIGHEST, preferred_element_type=cd)
-    dw = dw + lax.dot_general(dz_mm, hc.astype(mm_dtype), (((0,), (0,)), ((), ())),
-                              precision=_HIGHEST, preferred_element_type=cd)
-    if cfg.has_bias:
-      db = db + jnp.sum(dz, axis=0, dtype=cd)
-    return (dw, db), dhc.astype(h.dtype)
-
-  xs = (_chunked(h, cfg), _chunked(labels, cfg, cfg.ignore_index), _chunked(lse, cfg),
-        _chunked(a, cfg), _chunked(b, cfg), _chunked(c, cfg))
-  init = (jnp.zeros(weight.shape, cd), jnp.zeros((cfg.vocab,) if cfg.has_bias else (), cd))
-  (dw, db), dh = lax.scan(step, init, xs)
-  dh = dh.reshape(-1, d)[:n]
-  db = db.astype(bias.dtype) if cfg.has_bias else None
-  return dh, dw.astype(weight.dtype), db
+# Plain defvjp: optimize_remat=True breaks reverse over reverse.
+_lce.defvjp(_lce_fwd, _lce_bwd)
 
 
 # Gradients in the forward (Liger-Kernel's way) --------------------------------------------------
@@ -471,6 +516,7 @@ def _gif_fwd(h, weight, bias, labels, weights, cfg):
   lse, correct = lse.reshape(-1)[:n], correct.reshape(-1)[:n]
   db = db.astype(bias.dtype) if cfg.has_bias else None
   out = (total, lax.stop_gradient(lse), correct, bad)
+  # Residuals: the gradients themselves (h's, weight's and bias's size); the backward scales them.
   return out, (dh, dw.astype(weight.dtype), db)
 
 
@@ -481,4 +527,5 @@ def _gif_bwd(cfg, residuals, cotangents):
   return scale(dh), scale(dw), scale(db), None, None
 
 
-_lce_grad_in_forward.defvjp(_gif_fwd, _gif_bwd, optimize_remat=True)
+# Plain defvjp: optimize_remat=True breaks reverse over reverse.
+_lce_grad_in_forward.defvjp(_gif_fwd, _gif_bwd)

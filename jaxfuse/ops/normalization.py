@@ -17,6 +17,13 @@ Implementations: ``"pallas"`` (GPU kernels; interpret mode on CPU for tests), ``
 backward formulas, arranged so that XLA:CPU fuses each reduction with its elementwise inputs and
 keeps no full-size temporaries.
 
+Derivatives: reverse mode to any order, on every implementation: ``jax.grad`` of a function of
+``jax.grad`` and Hessian-vector products by forward over reverse
+(``jax.jvp(jax.grad(f), ...)``) differentiate the backward pass, whose kernels take the
+derivative of their XLA twins (:func:`jaxfuse.ops.base.kernel_call`). Forward mode on an op
+itself (``jax.jvp(rms_norm, ...)``) is not supported: the ops are ``jax.custom_vjp`` functions,
+for which JAX raises a TypeError.
+
 Example:
   >>> import jax, jax.numpy as jnp
   >>> from jaxfuse.ops import add_rms_norm, rms_norm
@@ -42,17 +49,13 @@ import jax.numpy as jnp
 
 from jaxfuse.kernels.pallas import elementwise as pallas_elementwise
 from jaxfuse.kernels.pallas import normalization as pallas_norm
-from jaxfuse.ops import checks, dispatch
+from jaxfuse.ops import base, checks
 
-F32 = jnp.float32
-
-_RMS_IMPLEMENTATIONS = ("pallas", "triton", "xla")
-_IMPLEMENTATIONS = ("pallas", "xla")
-_PREFERENCE = {"gpu": ("pallas", "xla"), "cpu": ("xla",)}
-
-
-def _compute_dtype(dtype):
-  return jnp.promote_types(dtype, F32)
+LAYER_NORM = base.Op("layer_norm", ("pallas", "xla"))
+RMS_NORM = base.Op("rms_norm", ("pallas", "triton", "xla"))
+ADD_LAYER_NORM = base.Op("add_layer_norm", ("pallas", "xla"))
+ADD_RMS_NORM = base.Op("add_rms_norm", ("pallas", "xla"))
+ADD_RMS_NORM_UNFUSED = base.Op("add_rms_norm_unfused", ("pallas", "xla"))
 
 
 # Plain-jnp references ---------------------------------------------------------------------------
@@ -61,7 +64,7 @@ def _compute_dtype(dtype):
 def layer_norm_reference(x: jax.Array, scale: jax.Array | None = None,
                          bias: jax.Array | None = None, *, eps: float = 1e-5) -> jax.Array:
   """Plain-jnp LayerNorm over the last axis, in float32 (or wider), differentiated by JAX."""
-  xf = x.astype(_compute_dtype(x.dtype))
+  xf = x.astype(base.compute_dtype(x.dtype))
   mean = jnp.mean(xf, axis=-1, keepdims=True)
   centered = xf - mean
   var = jnp.mean(centered * centered, axis=-1, keepdims=True)
@@ -76,7 +79,7 @@ def layer_norm_reference(x: jax.Array, scale: jax.Array | None = None,
 def rms_norm_reference(x: jax.Array, scale: jax.Array | None = None, *,
                        eps: float = 1e-6) -> jax.Array:
   """Plain-jnp RMSNorm over the last axis, in float32 (or wider), differentiated by JAX."""
-  xf = x.astype(_compute_dtype(x.dtype))
+  xf = x.astype(base.compute_dtype(x.dtype))
   y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
   if scale is not None:
     y = y * scale.astype(y.dtype)
@@ -93,6 +96,42 @@ def add_rms_norm_reference(x, residual, scale=None, *, eps: float = 1e-6):
   """Plain-jnp ``(rms_norm(x + residual), x + residual)``."""
   z = x + residual
   return rms_norm_reference(z, scale, eps=eps), z
+
+
+# Checks and config ------------------------------------------------------------------------------
+
+
+def _check(op, x, residual, scale, bias, eps):
+  checks.floating(op, "x", x)
+  if x.ndim < 1:
+    raise ValueError(f"{op}: x must have rank >= 1 (features on the last axis), got shape ()")
+  hidden = x.shape[-1]
+  if residual is not None:
+    checks.floating(op, "residual", residual)
+    checks.same_shape(op, ("x", "residual"), (x, residual))
+    checks.same_dtype(op, ("x", "residual"), (x, residual))
+  for name, p in (("scale", scale), ("bias", bias)):
+    if p is None:
+      continue
+    checks.floating(op, name, p)
+    checks.rank(op, name, p, 1)
+    checks.dim(op, name, p, 0, hidden, "the last axis of x")
+  if isinstance(eps, bool) or not isinstance(eps, Real) or not eps >= 0:
+    raise ValueError(f"{op}: eps must be a non-negative number, got {eps!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config(base.Config):
+  centered: bool   # LayerNorm (subtract the mean) or RMSNorm
+  eps: float
+
+
+def _config(op: base.Op, x, implementation, *, centered, eps) -> _Config:
+  cfg = _Config(**op.backend(implementation), centered=centered, eps=float(eps))
+  if cfg.impl == "pallas" and x.shape[-1] > pallas_norm.MAX_HIDDEN:
+    raise ValueError(f"{op.name}: implementation='pallas' takes a hidden size (x.shape[-1]) of "
+                     f"at most {pallas_norm.MAX_HIDDEN}, got {x.shape[-1]}; use 'xla'")
+  return cfg
 
 
 # Public ops -------------------------------------------------------------------------------------
@@ -121,7 +160,7 @@ def layer_norm(x: jax.Array, scale: jax.Array | None = None, bias: jax.Array | N
     >>> layer_norm(jnp.array([[1.0, 3.0]]), jnp.ones(2), jnp.zeros(2), eps=0.0)
     Array([[-1.,  1.]], dtype=float32)
   """
-  return _apply("layer_norm", x, None, scale, bias, eps, implementation, centered=True)
+  return _apply(LAYER_NORM, x, None, scale, bias, eps, implementation, centered=True)
 
 
 def rms_norm(x: jax.Array, scale: jax.Array | None = None, *, eps: float = 1e-6,
@@ -145,7 +184,7 @@ def rms_norm(x: jax.Array, scale: jax.Array | None = None, *, eps: float = 1e-6,
     >>> rms_norm(jnp.array([[2.0, -2.0]]), eps=0.0)
     Array([[ 1., -1.]], dtype=float32)
   """
-  return _apply("rms_norm", x, None, scale, None, eps, implementation, centered=False)
+  return _apply(RMS_NORM, x, None, scale, None, eps, implementation, centered=False)
 
 
 def add_layer_norm(x: jax.Array, residual: jax.Array, scale: jax.Array | None = None,
@@ -163,7 +202,7 @@ def add_layer_norm(x: jax.Array, residual: jax.Array, scale: jax.Array | None = 
     >>> normed, z
     (Array([[-1.,  1.]], dtype=float32), Array([[1., 3.]], dtype=float32))
   """
-  return _apply("add_layer_norm", x, residual, scale, bias, eps, implementation, centered=True)
+  return _apply(ADD_LAYER_NORM, x, residual, scale, bias, eps, implementation, centered=True)
 
 
 def add_rms_norm(x: jax.Array, residual: jax.Array, scale: jax.Array | None = None, *,
@@ -178,50 +217,16 @@ def add_rms_norm(x: jax.Array, residual: jax.Array, scale: jax.Array | None = No
     >>> z
     Array([[3., 4.]], dtype=float32)
   """
-  return _apply("add_rms_norm", x, residual, scale, None, eps, implementation, centered=False)
+  return _apply(ADD_RMS_NORM, x, residual, scale, None, eps, implementation, centered=False)
 
 
-# Argument checks and dispatch -------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class _Config:
-  centered: bool
-  eps: float
-  impl: str
-  interpret: bool
-
-
-def _check(op, x, residual, scale, bias, eps):
-  checks.floating(op, "x", x)
-  if x.ndim < 1:
-    raise ValueError(f"{op}: x must have rank >= 1 (features on the last axis), got shape ()")
-  hidden = x.shape[-1]
-  if residual is not None:
-    checks.floating(op, "residual", residual)
-    checks.same_shape(op, ("x", "residual"), (x, residual))
-    checks.same_dtype(op, ("x", "residual"), (x, residual))
-  for name, p in (("scale", scale), ("bias", bias)):
-    if p is None:
-      continue
-    checks.floating(op, name, p)
-    checks.rank(op, name, p, 1)
-    checks.dim(op, name, p, 0, hidden, "the last axis of x")
-  if isinstance(eps, bool) or not isinstance(eps, Real) or not eps >= 0:
-    raise ValueError(f"{op}: eps must be a non-negative number, got {eps!r}")
-
-
-def _apply(op, x, residual, scale, bias, eps, implementation, *, centered):
+def _apply(op: base.Op, x, residual, scale, bias, eps, implementation, *, centered):
   x = checks.as_array(x)
   residual = None if residual is None else checks.as_array(residual)
   scale = None if scale is None else checks.as_array(scale)
   bias = None if bias is None else checks.as_array(bias)
-  _check(op, x, residual, scale, bias, eps)
-  supported = _RMS_IMPLEMENTATIONS if op == "rms_norm" else _IMPLEMENTATIONS
-  impl = dispatch.resolve(op, implementation, supported, _PREFERENCE)
-  if impl == "pallas" and x.shape[-1] > pallas_norm.MAX_HIDDEN:
-    raise ValueError(f"{op}: implementation='pallas' takes a hidden size (x.shape[-1]) of at "
-                     f"most {pallas_norm.MAX_HIDDEN}, got {x.shape[-1]}; use 'xla'")
+  _check(op.name, x, residual, scale, bias, eps)
+  cfg = _config(op, x, implementation, centered=centered, eps=eps)
   if x.size == 0:  # Nothing to normalize (or no features): the plain formulas handle it.
     reference = layer_norm_reference if centered else rms_norm_reference
     params = (scale, bias) if centered else (scale,)
@@ -229,11 +234,9 @@ def _apply(op, x, residual, scale, bias, eps, implementation, *, centered):
       return reference(x, *params, eps=eps)
     z = x + residual
     return reference(z, *params, eps=eps), z
-  cfg = _Config(centered=centered, eps=float(eps), impl=impl,
-                interpret=impl == "pallas" and not dispatch.on_gpu())
   shape = x.shape
   rows = (math.prod(shape[:-1]), shape[-1])
-  with jax.named_scope(f"jaxfuse.{op}"):
+  with jax.named_scope(f"jaxfuse.{op.name}"):
     out = _normalize(x.reshape(rows), None if residual is None else residual.reshape(rows),
                      scale, bias, cfg)
   if residual is None:
@@ -241,64 +244,7 @@ def _apply(op, x, residual, scale, bias, eps, implementation, *, centered):
   return out[0].reshape(shape), out[1].reshape(shape)
 
 
-# The differentiable core ------------------------------------------------------------------------
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _normalize(x, residual, scale, bias, cfg):
-  y, z, _, _ = _forward(x, residual, scale, bias, cfg, store_stats=False)
-  return y if residual is None else (y, z)
-
-
-def _normalize_fwd(x, residual, scale, bias, cfg):
-  y, z, mean, rstd = _forward(x, residual, scale, bias, cfg, store_stats=True)
-  # Residuals: the rows that were normalized (x, or z = x + residual, which is an output) and the
-  # float32 per-row statistics. The normalized rows are recomputed in the backward pass.
-  rows = x if residual is None else z
-  out = y if residual is None else (y, z)
-  return out, (rows, scale, bias, mean, rstd)
-
-
-def _normalize_bwd(cfg, saved, cotangents):
-  rows, scale, bias, mean, rstd = saved
-  has_residual = isinstance(cotangents, tuple)  # (dy, dz) for the add variants
-  g, g_sum = cotangents if has_residual else (cotangents, None)
-  dx, dscale, dbias = _backward(rows, g, g_sum, scale, bias, mean, rstd, cfg)
-  dscale = None if scale is None else dscale.astype(scale.dtype)
-  dbias = None if bias is None else dbias.astype(bias.dtype)
-  return dx, (dx if has_residual else None), dscale, dbias
-
-
-_normalize.defvjp(_normalize_fwd, _normalize_bwd, optimize_remat=True)
-
-
-def _forward(x, residual, scale, bias, cfg, *, store_stats):
-  """``(y, z, mean, rstd)``; z is None without a residual, mean None for RMSNorm."""
-  if cfg.impl == "pallas":
-    return pallas_norm.forward(x, residual, scale, bias, eps=cfg.eps, centered=cfg.centered,
-                               store_stats=store_stats, interpret=cfg.interpret)
-  if cfg.impl == "triton":
-    from jaxfuse.kernels.triton import normalization as triton_norm
-
-    y, rstd = triton_norm.rms_norm_forward(x, scale, eps=cfg.eps)
-    return y, None, None, rstd
-  return _xla_forward(x, residual, scale, bias, cfg.centered, cfg.eps)
-
-
-def _backward(rows, g, g_sum, scale, bias, mean, rstd, cfg):
-  """``(dx, dscale, dbias)``; the parameter gradients in float32 (None where absent)."""
-  if cfg.impl == "pallas":
-    return pallas_norm.backward(rows, g, g_sum, scale, mean, rstd, has_bias=bias is not None,
-                                interpret=cfg.interpret)
-  if cfg.impl == "triton":
-    from jaxfuse.kernels.triton import normalization as triton_norm
-
-    dx, dscale = triton_norm.rms_norm_backward(rows, g, scale, rstd)
-    return dx, dscale, None
-  return _xla_backward(rows, g, g_sum, scale, bias is not None, mean, rstd)
-
-
-# The XLA implementation -------------------------------------------------------------------------
+# The XLA implementation (and the kernels' twin) -------------------------------------------------
 #
 # Written for XLA:CPU, whose reductions run as YNNPACK fusions that take elementwise producers
 # along but not every broadcast: a reduction whose operand needs a broadcast it cannot take makes
@@ -312,6 +258,9 @@ def _backward(rows, g, g_sum, scale, bias, mean, rstd, cfg):
 # - the per-row coefficients of the input gradient go through a select, which keeps them out of
 #   the reduction's fusion when there are more than 4096 rows (otherwise XLA merges the input
 #   gradient into that fusion and materializes its broadcasts).
+#
+# The functions return exactly what the kernels return (the same outputs, None entries, dtypes
+# and shapes): they are the kernels' twins, whose derivatives second-order gradients take.
 
 
 def _opaque(value, rstd):
@@ -320,8 +269,11 @@ def _opaque(value, rstd):
   return jnp.where(jnp.isnan(rstd), rstd, value)
 
 
-def _xla_forward(x, residual, scale, bias, centered, eps):
-  cd = _compute_dtype(x.dtype)
+def _xla_forward(x, residual, scale, bias, *, centered, eps, store_stats):
+  """``(y, z, mean, rstd)`` as :func:`jaxfuse.kernels.pallas.normalization.forward` returns
+  them: z None without a residual; mean None unless centered and ``store_stats``; rstd None
+  unless ``store_stats``."""
+  cd = base.compute_dtype(x.dtype)
   z = None
   if residual is not None:
     z = (x.astype(cd) + residual.astype(cd)).astype(x.dtype)
@@ -344,11 +296,15 @@ def _xla_forward(x, residual, scale, bias, centered, eps):
     y = y * scale.astype(cd)
   if bias is not None:
     y = y + bias.astype(cd)
+  if not store_stats:
+    mean = rstd = None
   return y.astype(x.dtype), z, mean, rstd
 
 
-def _xla_backward(rows, g, g_sum, scale, has_bias, mean, rstd):
-  cd = _compute_dtype(rows.dtype)
+def _xla_backward(rows, g, g_sum, scale, mean, rstd, *, has_bias):
+  """``(dx, dscale, dbias)`` as :func:`jaxfuse.kernels.pallas.normalization.backward` returns
+  them: dx in the rows' dtype, the parameter gradients in float32 (None where absent)."""
+  cd = base.compute_dtype(rows.dtype)
   x = rows.astype(cd)
   g = g.astype(cd)
   hidden = x.shape[-1]
@@ -382,9 +338,92 @@ def _xla_backward(rows, g, g_sum, scale, has_bias, mean, rstd):
   return dx.astype(rows.dtype), dscale, dbias
 
 
-# The unfused chain ------------------------------------------------------------------------------
+# Forward and backward ---------------------------------------------------------------------------
 
-_UNFUSED_IMPLEMENTATIONS = ("pallas", "xla")
+
+def _triton_forward(x, residual, scale, bias, *, eps):
+  """The Triton kernel's ``(y, rstd)`` in the shape of the other implementations' outputs
+  (RMSNorm without residual or bias: ``residual`` and ``bias`` are None)."""
+  del residual, bias
+  from jaxfuse.kernels.triton import normalization as triton_norm
+
+  y, rstd = triton_norm.rms_norm_forward(x, scale, eps=eps)
+  return y, None, None, rstd
+
+
+def _triton_backward(rows, g, g_sum, scale, mean, rstd):
+  """The Triton kernel's ``(dx, dscale)`` as ``(dx, dscale, None)`` (``g_sum`` and ``mean``
+  are None)."""
+  del g_sum, mean
+  from jaxfuse.kernels.triton import normalization as triton_norm
+
+  dx, dscale = triton_norm.rms_norm_backward(rows, g, scale, rstd)
+  return dx, dscale, None
+
+
+def _forward(x, residual, scale, bias, cfg, *, store_stats):
+  """``(y, z, mean, rstd)``: z is None without a residual; the float32 ``(rows, 1)``
+  statistics are None unless ``store_stats`` (and the mean for RMSNorm always is)."""
+  if cfg.impl == "triton":
+    store_stats = True  # the Triton kernel always writes rstd
+  twin = functools.partial(_xla_forward, centered=cfg.centered, eps=cfg.eps,
+                           store_stats=store_stats)
+  if cfg.impl == "pallas":
+    kernel = functools.partial(pallas_norm.forward, eps=cfg.eps, centered=cfg.centered,
+                               store_stats=store_stats, interpret=cfg.interpret)
+    return base.kernel_call(kernel, twin, x, residual, scale, bias)
+  if cfg.impl == "triton":
+    kernel = functools.partial(_triton_forward, eps=cfg.eps)
+    return base.kernel_call(kernel, twin, x, residual, scale, bias)
+  return twin(x, residual, scale, bias)
+
+
+def _backward(rows, g, g_sum, scale, bias, mean, rstd, cfg):
+  """``(dx, dscale, dbias)``; the parameter gradients in float32 (None where absent)."""
+  twin = functools.partial(_xla_backward, has_bias=bias is not None)
+  if cfg.impl == "pallas":
+    kernel = functools.partial(pallas_norm.backward, has_bias=bias is not None,
+                               interpret=cfg.interpret)
+    return base.kernel_call(kernel, twin, rows, g, g_sum, scale, mean, rstd)
+  if cfg.impl == "triton":
+    return base.kernel_call(_triton_backward, twin, rows, g, g_sum, scale, mean, rstd)
+  return twin(rows, g, g_sum, scale, mean, rstd)
+
+
+# The custom VJP ---------------------------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _normalize(x, residual, scale, bias, cfg):
+  y, z, _, _ = _forward(x, residual, scale, bias, cfg, store_stats=False)
+  return y if residual is None else (y, z)
+
+
+def _normalize_fwd(x, residual, scale, bias, cfg):
+  y, z, mean, rstd = _forward(x, residual, scale, bias, cfg, store_stats=True)
+  # Residuals: the rows that were normalized (x, or z = x + residual, which is an output) and the
+  # float32 per-row statistics. The normalized rows are recomputed in the backward pass.
+  rows = x if residual is None else z
+  out = y if residual is None else (y, z)
+  return out, (rows, scale, bias, mean, rstd)
+
+
+def _normalize_bwd(cfg, saved, cotangents):
+  rows, scale, bias, mean, rstd = saved
+  has_residual = isinstance(cotangents, tuple)  # (dy, dz) for the add variants
+  g, g_sum = cotangents if has_residual else (cotangents, None)
+  dx, dscale, dbias = _backward(rows, g, g_sum, scale, bias, mean, rstd, cfg)
+  dscale = None if scale is None else dscale.astype(scale.dtype)
+  dbias = None if bias is None else dbias.astype(bias.dtype)
+  return dx, (dx if has_residual else None), dscale, dbias
+
+
+# Plain defvjp: optimize_remat=True would let the primal pass under remat run the kernel that
+# stores no statistics, but it breaks reverse over reverse.
+_normalize.defvjp(_normalize_fwd, _normalize_bwd)
+
+
+# The unfused chain ------------------------------------------------------------------------------
 
 
 def add_rms_norm_unfused(x: jax.Array, residual: jax.Array, scale: jax.Array | None = None, *,
@@ -403,27 +442,30 @@ def add_rms_norm_unfused(x: jax.Array, residual: jax.Array, scale: jax.Array | N
     >>> add_rms_norm_unfused(jnp.array([[1.0, -3.0]]), jnp.array([[1.0, 1.0]]), eps=0.0)[0]
     Array([[ 1., -1.]], dtype=float32)
   """
-  op = "add_rms_norm_unfused"
+  op = ADD_RMS_NORM_UNFUSED
   x, residual = checks.as_array(x), checks.as_array(residual)
   scale = None if scale is None else checks.as_array(scale)
-  _check(op, x, residual, scale, None, eps)
-  impl = dispatch.resolve(op, implementation, _UNFUSED_IMPLEMENTATIONS,
-                          {"gpu": ("pallas",), "cpu": ("xla",)})
+  _check(op.name, x, residual, scale, None, eps)
+  cfg = _config(op, x, implementation, centered=False, eps=eps)
   if x.size == 0:
     z = x + residual
     return rms_norm_reference(z, scale, eps=eps), z
-  cfg = _Config(centered=False, eps=float(eps), impl=impl,
-                interpret=impl == "pallas" and not dispatch.on_gpu())
   shape = x.shape
   rows = (math.prod(shape[:-1]), shape[-1])
-  y, z = _add_then_norm(x.reshape(rows), residual.reshape(rows), scale, cfg)
+  with jax.named_scope(f"jaxfuse.{op.name}"):
+    y, z = _add_then_norm(x.reshape(rows), residual.reshape(rows), scale, cfg)
   return y.reshape(shape), z.reshape(shape)
+
+
+def _xla_add(a, b):
+  return a + b
 
 
 def _add(a, b, cfg):
   if cfg.impl == "pallas":
-    return pallas_elementwise.add_forward(a, b, interpret=cfg.interpret)
-  return a + b
+    kernel = functools.partial(pallas_elementwise.add_forward, interpret=cfg.interpret)
+    return base.kernel_call(kernel, _xla_add, a, b)
+  return _xla_add(a, b)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -434,6 +476,7 @@ def _add_then_norm(x, residual, scale, cfg):
 def _add_then_norm_fwd(x, residual, scale, cfg):
   z = _add(x, residual, cfg)
   y, _, _, rstd = _forward(z, None, scale, None, cfg, store_stats=True)
+  # Residuals: the sum z, written by the add kernel and kept, and the float32 rstd.
   return (y, z), (z, scale, rstd)
 
 

@@ -40,19 +40,19 @@ def bias_act_forward(x: jax.Array, bias: jax.Array, fn: Callable, *, interpret: 
     return jnp.zeros_like(x)
   br, bc = tiles.plan(rows, n, interpret=interpret, block_rows=block_rows, block_cols=block_cols)
   grid = tiles.grid(rows, n, br, bc)
-  traffic = 2 * common.nbytes(x) + grid[0] * common.nbytes(bias)
+  out = jax.ShapeDtypeStruct(x.shape, x.dtype)
   kernel = functools.partial(_forward_kernel, fn=fn, rows=rows, n=n, block_rows=br,
                              block_cols=bc)
   return pl.pallas_call(
       kernel,
-      out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+      out_shape=out,
       grid=grid,
       in_specs=[pl.BlockSpec((br, bc), lambda i, j: (i, j)),
                 pl.BlockSpec((bc,), lambda i, j: (j,))],
       out_specs=pl.BlockSpec((br, bc), lambda i, j: (i, j)),
       interpret=interpret,
       compiler_params=common.triton_params(num_warps=tiles.num_warps(br, bc)),
-      cost_estimate=common.cost(lambda x, b: fn(x + b), [x, bias], bytes_accessed=traffic),
+      cost_estimate=common.cost([x, bias], out, fun=lambda x, b: fn(x + b)),
       name="bias_act_fwd",
   )(x, bias)
 
@@ -102,22 +102,21 @@ def bias_act_backward(x: jax.Array, bias: jax.Array, g: jax.Array, fn: Callable,
   br, bc, steps, groups = backward_plan(rows, n, interpret=interpret, block_rows=block_rows,
                                         block_cols=block_cols, steps=steps)
   col_blocks = pl.cdiv(n, bc)
-  partial_shape = jax.ShapeDtypeStruct((groups, n), jnp.float32)
-  traffic = (3 * common.nbytes(x) + groups * common.nbytes(bias)
-             + common.nbytes(partial_shape))
+  out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype),
+               jax.ShapeDtypeStruct((groups, n), jnp.float32)]
   kernel = functools.partial(_backward_kernel, fn=fn, rows=rows, n=n, block_rows=br,
                              block_cols=bc, steps=steps)
   group_spec = pl.BlockSpec((br * steps, bc), lambda i, j: (i, j))
   dx, partials = pl.pallas_call(
       kernel,
-      out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype), partial_shape],
+      out_shape=out_shape,
       grid=(groups, col_blocks),
       in_specs=[group_spec, pl.BlockSpec((bc,), lambda i, j: (j,)), group_spec],
       out_specs=[group_spec, pl.BlockSpec((None, bc), lambda i, j: (i, j))],
       interpret=interpret,
       compiler_params=common.triton_params(num_warps=tiles.num_warps(br, bc)),
-      cost_estimate=common.cost(lambda x, b, g: tiles.vjp(fn, x + b, g), [x, bias, g],
-                                bytes_accessed=traffic),
+      cost_estimate=common.cost([x, bias, g], out_shape,
+                                fun=lambda x, b, g: tiles.vjp(fn, x + b, g)),
       name="bias_act_bwd",
   )(x, bias, g)
   return dx, jnp.sum(partials, axis=0).astype(bias.dtype)

@@ -30,20 +30,33 @@ def nbytes(x) -> int:
   return math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
 
 
-def cost(fun=None, args: Sequence = (), *, bytes_accessed: int, flops: int | None = None,
-         transcendentals: int | None = None) -> pl.CostEstimate:
-  """A ``pl.CostEstimate`` with ``bytes_accessed`` taken from the block specs.
+def cost(operands: Sequence, results, *, flops: int | None = None,
+         transcendentals: int | None = None, fun=None, args: Sequence | None = None
+         ) -> pl.CostEstimate:
+  """A scheduling hint for XLA: a ``pl.CostEstimate`` sized from the call's operands and results.
 
-  FLOPs and transcendentals are given, or estimated by Pallas from the jnp function ``fun``
-  applied to ``args`` (the whole-array computation the kernel performs).
+  ``bytes_accessed`` is the sum of the sizes of the call's ``operands`` and ``results``, taken
+  mechanically from their shapes: it tells XLA's scheduler how big the call is, and no figure
+  jaxfuse reports uses it (bytes moved are counted from the kernel body over its grid, by
+  :mod:`jaxfuse.metrics.traffic`). FLOPs and transcendentals are given, or estimated by Pallas
+  from the jnp function ``fun`` applied to ``args`` (default: the operands), the whole-array
+  computation the kernel performs.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> x = jax.ShapeDtypeStruct((8, 128), jnp.float32)
+    >>> cost([x, x], x, fun=lambda a, b: a + b).bytes_accessed  # 3 arrays of 4 KiB
+    12288
   """
+  results = list(results) if isinstance(results, (list, tuple)) else [results]
   if fun is not None and (flops is None or transcendentals is None):
-    specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]
+    specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (operands if args is None else args)]
     estimate = pl.estimate_cost(fun, *specs)
     flops = estimate.flops if flops is None else flops
     transcendentals = estimate.transcendentals if transcendentals is None else transcendentals
+  size = sum(nbytes(a) for a in operands) + sum(nbytes(r) for r in results)
   return pl.CostEstimate(flops=int(flops or 0), transcendentals=int(transcendentals or 0),
-                         bytes_accessed=int(bytes_accessed))
+                         bytes_accessed=int(size))
 
 
 def compute_dtype(dtype) -> jnp.dtype:

@@ -127,13 +127,7 @@ def stats_forward(h, w, bias, labels, *, softcap=None, interpret=False, blocks=N
   in_specs = [whole(h), whole(w)] + ([whole(bias)] if has_bias else []) + [row]
   out_shape = [jax.ShapeDtypeStruct((n,), jnp.float32)] * 3 + [
       jax.ShapeDtypeStruct((n,), jnp.int32)]
-  # HBM traffic: every token block streams the whole weight (and bias); h and the labels are
-  # read once, four values a token written.
-  blocks_n = grid[0]
-  traffic = (common.nbytes(h) + blocks_n * (common.nbytes(w) + (common.nbytes(bias)
-                                                                  if has_bias else 0))
-             + common.nbytes(labels) + 16 * n)
-  estimate = common.cost(bytes_accessed=traffic, flops=2 * n * v * d + 8 * n * v,
+  estimate = common.cost(inputs, out_shape, flops=2 * n * v * d + 8 * n * v,
                          transcendentals=n * v * (3 if softcap is not None else 1))
   return pl.pallas_call(
       kernel,
@@ -197,11 +191,7 @@ def logit_grad(h, w, bias, labels, lse, a, b, c, *, softcap=None, smoothing=True
   inputs = [h, w] + ([bias] if has_bias else []) + [labels, lse, a, b, c]
   in_specs = [whole(h), whole(w)] + ([whole(bias)] if has_bias else []) + [row] * 5
   out_shape = jax.ShapeDtypeStruct((n, v), out_dtype)
-  # HBM traffic: each program reads its token rows and its weight tile over the whole hidden
-  # axis, and writes its tile of the gradient.
-  traffic = (grid[1] * common.nbytes(h) + grid[0] * (common.nbytes(w) + (
-      common.nbytes(bias) if has_bias else 0)) + common.nbytes(out_shape) + 20 * n)
-  estimate = common.cost(bytes_accessed=traffic, flops=2 * n * v * d + 8 * n * v,
+  estimate = common.cost(inputs, out_shape, flops=2 * n * v * d + 8 * n * v,
                          transcendentals=n * v * (3 if softcap is not None else 1))
   return pl.pallas_call(
       kernel,

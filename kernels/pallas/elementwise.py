@@ -2,7 +2,8 @@
 
 All of them flatten their same-shaped inputs to one dimension (free for contiguous arrays) and
 walk it in power-of-2 blocks; the last block may run past the end, and its loads and stores are
-masked there (Pallas' Triton lowering does not mask block reads on its own), so any size works. Low-precision inputs are computed in float32 and rounded once.
+masked there (Pallas' Triton lowering does not mask block reads on its own), so any size works.
+Low-precision inputs are computed in float32 and rounded once.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ def elementwise_call(body: Callable[..., Sequence[jax.Array]], inputs: Sequence[
     name: the kernel's name (it shows in profiles and in lowered HLO).
     interpret: run in Pallas interpret mode (CPU tests).
     block_size: elements per program; a power of 2. Defaults by mode.
-    reference: the whole-array jnp computation, for the FLOP count of the cost estimate.
+    reference: the whole-array jnp computation, for the FLOP count of the cost estimate
+      (a scheduling hint for XLA).
     num_warps: Triton warps per program.
 
   Returns:
@@ -60,8 +62,7 @@ def elementwise_call(body: Callable[..., Sequence[jax.Array]], inputs: Sequence[
       pl_triton.store(ref, value.astype(ref.dtype), mask=mask)
 
   out_shapes = [jax.ShapeDtypeStruct((n,), dt) for dt in out_dtypes]
-  traffic = sum(common.nbytes(x) for x in inputs) + sum(common.nbytes(o) for o in out_shapes)
-  estimate = common.cost(reference, inputs, bytes_accessed=traffic)
+  estimate = common.cost(inputs, out_shapes, fun=reference)
   outs = pl.pallas_call(
       kernel,
       out_shape=out_shapes,

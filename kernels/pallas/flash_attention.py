@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -363,10 +362,6 @@ def _visible_pairs(spec: _Spec) -> int:
   return n * (n + 1) // 2 + max(0, spec.tq - spec.tk) * spec.tk
 
 
-def _itemsize(spec):
-  return jnp.dtype(spec.dtype).itemsize
-
-
 def forward(q, k, v, q_seg, kv_seg, kv_lengths, bias, *, causal: bool, scale: float,
             blocks: BlockSizes, interpret: bool = False, with_lse: bool = True):
   """``(o, lse)``: the attention output and the base-2 row log-sum-exp ``[b, heads, q_len]``.
@@ -394,10 +389,7 @@ def forward(q, k, v, q_seg, kv_seg, kv_lengths, bias, *, causal: bool, scale: fl
     out_specs.append(pl.BlockSpec((None, None, spec.tq), lambda i, h, bi: (bi, h, 0)))
   nq = pl.cdiv(spec.tq, bq)
   pairs = _visible_pairs(spec) * spec.b * spec.hq
-  item = _itemsize(spec)
-  kv_reads = 2 * pairs // max(spec.tq, 1) * bq * spec.d * item  # each q tile reads its k/v
-  traffic = (2 * q.size * item + kv_reads + with_lse * spec.b * spec.hq * spec.tq * 4
-             + (bias.size * bias.dtype.itemsize if bias is not None else 0))
+  operands = [q, k, v, *extra]
   outs = pl.pallas_call(
       functools.partial(_fwd_kernel, spec=spec, bq=bq, bk=bk),
       out_shape=out_shape,
@@ -406,10 +398,10 @@ def forward(q, k, v, q_seg, kv_seg, kv_lengths, bias, *, causal: bool, scale: fl
       out_specs=out_specs,
       interpret=interpret,
       compiler_params=common.triton_params(blocks.num_warps, blocks.num_stages),
-      cost_estimate=common.cost(bytes_accessed=traffic, flops=4 * pairs * spec.d,
+      cost_estimate=common.cost(operands, out_shape, flops=4 * pairs * spec.d,
                                 transcendentals=pairs),
       name="attention_fwd_res" if with_lse else "attention_fwd",
-  )(q, k, v, *extra)
+  )(*operands)
   return (outs[0], outs[1]) if with_lse else (outs[0], None)
 
 
@@ -547,11 +539,10 @@ def backward(q, k, v, q_seg, kv_seg, kv_lengths, bias, o, lse, do, *, causal: bo
              scale: float, blocks: BlockSizes, interpret: bool = False):
   """``(dq, dk, dv, dbias)`` from the residuals; ``dbias`` is None without a bias."""
   spec = _spec(q, k, bias, kv_lengths, q_seg, scale, causal)
-  g, item = spec.g, _itemsize(spec)
+  g = spec.g
   delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1).transpose(0, 2, 1)
   pairs = _visible_pairs(spec) * spec.b * spec.hq
   params = common.triton_params(blocks.num_warps_bwd, blocks.num_stages_bwd)
-  row_bytes = spec.b * spec.hq * spec.tq * 4
 
   # dq: grid (q tiles, heads, batch), like the forward.
   bq, bk = blocks.block_q_dq, blocks.block_k_dq
@@ -566,20 +557,20 @@ def backward(q, k, v, q_seg, kv_seg, kv_lengths, bias, o, lse, do, *, causal: bo
   extra, extra_specs = _optional_args(
       spec, kv_lengths, q_seg, kv_seg, bias, seg_q_map=lambda i, h, bi: (bi, 0),
       seg_k_map=lambda i, h, bi: (bi, 0), bias_map=bias_map)
-  bias_bytes = bias.size * bias.dtype.itemsize if bias is not None else 0
-  kv_reads = 2 * pairs // max(spec.tq, 1) * bq * spec.d * item
+  operands = [q, k, v, *extra, do, lse, delta]
+  dq_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
   dq = pl.pallas_call(
       functools.partial(_dq_kernel, spec=spec, bq=bq, bk=bk),
-      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      out_shape=dq_shape,
       grid=(pl.cdiv(spec.tq, bq), spec.hq, spec.b),
       in_specs=[slab_q, slab_k, slab_k] + extra_specs + [slab_q, rows, rows],
       out_specs=slab_q,
       interpret=interpret,
       compiler_params=params,
-      cost_estimate=common.cost(bytes_accessed=3 * q.size * item + kv_reads + 2 * row_bytes
-                                + bias_bytes, flops=6 * pairs * spec.d, transcendentals=pairs),
+      cost_estimate=common.cost(operands, dq_shape, flops=6 * pairs * spec.d,
+                                transcendentals=pairs),
       name="attention_bwd_dq",
-  )(q, k, v, *extra, do, lse, delta)
+  )(*operands)
 
   # dk, dv: grid (k tiles, kv heads, batch); each program walks the g query heads of its kv head.
   bq, bk = blocks.block_q_dkdv, blocks.block_k_dkdv
@@ -594,20 +585,20 @@ def backward(q, k, v, q_seg, kv_seg, kv_lengths, bias, o, lse, do, *, causal: bo
   extra, extra_specs = _optional_args(
       spec, kv_lengths, q_seg, kv_seg, bias, seg_q_map=lambda j, h, bi: (bi, 0),
       seg_k_map=lambda j, h, bi: (bi, 0), bias_map=bias_map)
-  q_tiles_read = pairs // max(spec.tk, 1) * bk   # query rows read per key tile, summed
-  q_reads = q_tiles_read * (2 * spec.d * item + 8)
+  operands = [q, k, v, *extra, do, lse, delta]
+  dkdv_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype)] * 2
   dk, dv = pl.pallas_call(
       functools.partial(_dkdv_kernel, spec=spec, bq=bq, bk=bk),
-      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype)] * 2,
+      out_shape=dkdv_shape,
       grid=(pl.cdiv(spec.tk, bk), spec.hkv, spec.b),
       in_specs=[group_q, own_k, own_k] + extra_specs + [group_q, group_rows, group_rows],
       out_specs=[own_k, own_k],
       interpret=interpret,
       compiler_params=params,
-      cost_estimate=common.cost(bytes_accessed=4 * k.size * item + q_reads + bias_bytes,
-                                flops=8 * pairs * spec.d, transcendentals=pairs),
+      cost_estimate=common.cost(operands, dkdv_shape, flops=8 * pairs * spec.d,
+                                transcendentals=pairs),
       name="attention_bwd_dkdv",
-  )(q, k, v, *extra, do, lse, delta)
+  )(*operands)
 
   dbias = None
   if bias is not None:
@@ -632,9 +623,7 @@ def _dbias(q, k, v, q_seg, kv_seg, kv_lengths, bias, lse, delta, do, spec, block
       spec, kv_lengths, q_seg, kv_seg, bias, seg_q_map=lambda i, j, n: (n // hq, 0),
       seg_k_map=lambda i, j, n: (n // hq, 0), bias_map=bias_map)
   out = jax.ShapeDtypeStruct((spec.b, hq, spec.tq, spec.tk), jnp.float32)
-  item = _itemsize(spec)
-  n_tiles = pl.cdiv(spec.tq, bq) * pl.cdiv(spec.tk, bk) * spec.b * hq
-  traffic = n_tiles * (2 * (bq + bk) * spec.d * item + 2 * bq * 4) + 2 * math.prod(out.shape) * 4
+  operands = [q, k, v, *extra, do, lse, delta]
   ds = pl.pallas_call(
       functools.partial(_dbias_kernel, spec=spec, bq=bq, bk=bk),
       out_shape=out,
@@ -644,11 +633,11 @@ def _dbias(q, k, v, q_seg, kv_seg, kv_lengths, bias, lse, delta, do, spec, block
                              lambda i, j, n: (n // hq, n % hq, 0, 0)),
       interpret=interpret,
       compiler_params=common.triton_params(blocks.num_warps_bwd, blocks.num_stages_bwd),
-      cost_estimate=common.cost(bytes_accessed=traffic,
+      cost_estimate=common.cost(operands, out,
                                 flops=4 * spec.b * hq * spec.tq * spec.tk * spec.d,
                                 transcendentals=spec.b * hq * spec.tq * spec.tk),
       name="attention_bwd_dbias",
-  )(q, k, v, *extra, do, lse, delta)
+  )(*operands)
   axes = tuple(a for a in (0, 1) if spec.bias_shape[a] == 1)
   if axes:
     ds = jnp.sum(ds, axis=axes, keepdims=True)

@@ -87,7 +87,6 @@ def glu_forward(a: jax.Array, b: jax.Array | None, fn: Callable, *, interpret: b
     return jnp.zeros((rows, h), a.dtype)
   br, bc = tiles.plan(rows, h, interpret=interpret, block_rows=block_rows, block_cols=block_cols)
   out = jax.ShapeDtypeStruct((rows, h), a.dtype)
-  traffic = 3 * common.nbytes(out)
   kernel = functools.partial(_forward_kernel, fn=fn, rows=rows, h=h, block_rows=br,
                              block_cols=bc)
   return pl.pallas_call(
@@ -98,7 +97,8 @@ def glu_forward(a: jax.Array, b: jax.Array | None, fn: Callable, *, interpret: b
       out_specs=pl.BlockSpec((br, bc), lambda i, j: (i, j)),
       interpret=interpret,
       compiler_params=common.triton_params(num_warps=tiles.num_warps(br, bc)),
-      cost_estimate=common.cost(functools.partial(_glu, fn), [out, out], bytes_accessed=traffic),
+      cost_estimate=common.cost([a_in, b_in], out, fun=functools.partial(_glu, fn),
+                                args=[out, out]),
       name="glu_fwd",
   )(a_in, b_in)
 
@@ -118,7 +118,6 @@ def glu_backward(a: jax.Array, b: jax.Array | None, g: jax.Array, fn: Callable, 
   else:
     out_shape = [jax.ShapeDtypeStruct((rows, h), a.dtype)] * 2
     out_specs = [tile, tile]
-  traffic = 5 * common.nbytes(g)
   kernel = functools.partial(_backward_kernel, fn=fn, rows=rows, h=h, block_rows=br,
                              block_cols=bc, packed=packed)
   outs = pl.pallas_call(
@@ -129,8 +128,8 @@ def glu_backward(a: jax.Array, b: jax.Array | None, g: jax.Array, fn: Callable, 
       out_specs=out_specs,
       interpret=interpret,
       compiler_params=common.triton_params(num_warps=tiles.num_warps(br, bc)),
-      cost_estimate=common.cost(functools.partial(_glu_vjp, fn), [g, g, g],
-                                bytes_accessed=traffic),
+      cost_estimate=common.cost([a_in, b_in, g], out_shape, fun=functools.partial(_glu_vjp, fn),
+                                args=[g, g, g]),
       name="glu_bwd",
   )(a_in, b_in, g)
   if packed:

@@ -99,14 +99,10 @@ def matmul(a: jax.Array, b: jax.Array, *, a_layout: str = "ik", b_layout: str = 
   grid = (pl.cdiv(size_i, bi), pl.cdiv(size_j, bj))
   in_specs = [_operand_spec(a_layout, bi, size_k, 0), _operand_spec(b_layout, bj, size_k, 1)]
   operands = [a, b]
-  # Each A block is read once per column of programs, each B block once per row of programs.
-  traffic = common.nbytes(a) * grid[1] + common.nbytes(b) * grid[0]
   if has_bias:
     in_specs.append(pl.BlockSpec((bj,), lambda i, j: (j,)))
     operands.append(bias)
-    traffic += common.nbytes(bias) * grid[0]
   out_shape = jax.ShapeDtypeStruct((size_i, size_j), out_dtype)
-  traffic += common.nbytes(out_shape)
   return pl.pallas_call(
       kernel,
       out_shape=out_shape,
@@ -115,7 +111,7 @@ def matmul(a: jax.Array, b: jax.Array, *, a_layout: str = "ik", b_layout: str = 
       out_specs=pl.BlockSpec((bi, bj), lambda i, j: (i, j)),
       interpret=interpret,
       compiler_params=common.triton_params(num_warps=num_warps),
-      cost_estimate=common.cost(bytes_accessed=traffic, flops=2 * size_i * size_j * size_k,
+      cost_estimate=common.cost(operands, out_shape, flops=2 * size_i * size_j * size_k,
                                 transcendentals=0),
       name=name,
   )(*operands)
@@ -152,7 +148,6 @@ def sum_rows(g: jax.Array, *, out_dtype=None, interpret: bool = False,
       out_specs=pl.BlockSpec((bj,), lambda j: (j,)),
       interpret=interpret,
       compiler_params=common.triton_params(num_warps=num_warps),
-      cost_estimate=common.cost(bytes_accessed=common.nbytes(g) + common.nbytes(out_shape),
-                                flops=size_i * size_j, transcendentals=0),
+      cost_estimate=common.cost([g], out_shape, flops=size_i * size_j, transcendentals=0),
       name=name,
   )(g)

@@ -208,13 +208,6 @@ def forward(x, residual, scale, bias, *, eps: float, centered: bool, store_stats
   stat = jax.ShapeDtypeStruct((n_rows, 1), F32)
   if store_stats:
     out_shapes += [stat, stat] if centered else [stat]
-  # HBM traffic: the input rows once (twice when the row is walked in chunks: once for the
-  # statistics, once to normalize), the parameters once (every program reads the same
-  # L2-resident copy), every output once.
-  passes = 1 if t.chunks == 1 else 2
-  traffic = passes * sum(common.nbytes(a) for a in inputs[:1 + has_residual])
-  traffic += sum(common.nbytes(p) for p in (scale, bias) if p is not None)
-  traffic += sum(common.nbytes(o) for o in out_shapes)
   flops = (8 if centered else 5) * x.size + (2 * x.size if has_residual else 0)
   kind = "layer_norm" if centered else "rms_norm"
   default_name = ("add_" if has_residual else "") + kind + ("_fwd_res" if store_stats else "_fwd")
@@ -227,7 +220,7 @@ def forward(x, residual, scale, bias, *, eps: float, centered: bool, store_stats
       grid=(pl.cdiv(n_rows, t.rows),),
       interpret=interpret,
       compiler_params=common.triton_params(num_warps=t.num_warps),
-      cost_estimate=common.cost(bytes_accessed=traffic, flops=flops, transcendentals=n_rows),
+      cost_estimate=common.cost(inputs, out_shapes, flops=flops, transcendentals=n_rows),
       name=name or default_name,
   )(*inputs)
   outs = list(outs)
@@ -368,11 +361,6 @@ def backward(x, g, sum_grad, scale, mean, rstd, *, has_bias: bool, interpret: bo
   partial = jax.ShapeDtypeStruct((n_programs, n_cols), F32)
   out_shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype)]
   out_shapes += [partial] * (int(has_scale) + int(has_bias))
-  # HBM traffic: x and g once (twice when walked in chunks), the rest once.
-  passes = 1 if t.chunks == 1 else 2
-  traffic = passes * (common.nbytes(x) + common.nbytes(g))
-  traffic += sum(common.nbytes(a) for a in inputs[2:])
-  traffic += sum(common.nbytes(o) for o in out_shapes)
   kind = "layer_norm" if centered else "rms_norm"
   default_name = ("add_" if has_sum_grad else "") + kind + "_bwd"
   kernel = _bind(_backward_kernel, n_rows=n_rows, n_cols=n_cols, t=t,
@@ -384,7 +372,8 @@ def backward(x, g, sum_grad, scale, mean, rstd, *, has_bias: bool, interpret: bo
       grid=(n_programs,),
       interpret=interpret,
       compiler_params=common.triton_params(num_warps=t.num_warps),
-      cost_estimate=common.cost(bytes_accessed=traffic, flops=(10 if centered else 8) * x.size),
+      cost_estimate=common.cost(inputs, out_shapes, flops=(10 if centered else 8) * x.size,
+                                transcendentals=0),
       name=name or default_name,
   )(*inputs)
   outs = list(outs)

@@ -151,20 +151,19 @@ def softmax_forward(x: jax.Array, mask: jax.Array | None = None, *, scale: float
   block_rows, chunk, n_chunks = plan(rows, n, interpret=interpret, max_chunk=max_chunk,
                                      block_rows=block_rows)
   inputs = [x] if mask is None else [x, mask.astype(jnp.int8)]
-  reads = sum(common.nbytes(a) for a in inputs) * (1 if n_chunks == 1 else 2)
+  out = jax.ShapeDtypeStruct(x.shape, x.dtype)
   kernel = functools.partial(_forward_kernel, rows=rows, n=n, block_rows=block_rows,
                              chunk=chunk, n_chunks=n_chunks, scale=float(scale),
                              has_mask=mask is not None)
   return pl.pallas_call(
       kernel,
-      out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+      out_shape=out,
       grid=(pl.cdiv(rows, block_rows),),
       in_specs=[_row_spec(block_rows, n)] * len(inputs),
       out_specs=_row_spec(block_rows, n),
       interpret=interpret,
       compiler_params=common.triton_params(num_warps=_num_warps(block_rows, chunk)),
-      cost_estimate=common.cost(bytes_accessed=reads + common.nbytes(x),
-                                flops=5 * x.size, transcendentals=x.size),
+      cost_estimate=common.cost(inputs, out, flops=5 * x.size, transcendentals=x.size),
       name="softmax_fwd",
   )(*inputs)
 
@@ -177,18 +176,17 @@ def softmax_backward(y: jax.Array, g: jax.Array, *, scale: float = 1.0, interpre
     return jnp.zeros_like(y)
   block_rows, chunk, n_chunks = plan(rows, n, interpret=interpret, max_chunk=max_chunk,
                                      block_rows=block_rows)
-  reads = (common.nbytes(y) + common.nbytes(g)) * (1 if n_chunks == 1 else 2)
+  out = jax.ShapeDtypeStruct(y.shape, y.dtype)
   kernel = functools.partial(_backward_kernel, rows=rows, n=n, block_rows=block_rows,
                              chunk=chunk, n_chunks=n_chunks, scale=float(scale))
   return pl.pallas_call(
       kernel,
-      out_shape=jax.ShapeDtypeStruct(y.shape, y.dtype),
+      out_shape=out,
       grid=(pl.cdiv(rows, block_rows),),
       in_specs=[_row_spec(block_rows, n)] * 2,
       out_specs=_row_spec(block_rows, n),
       interpret=interpret,
       compiler_params=common.triton_params(num_warps=_num_warps(block_rows, chunk)),
-      cost_estimate=common.cost(bytes_accessed=reads + common.nbytes(y), flops=4 * y.size,
-                                transcendentals=0),
+      cost_estimate=common.cost([y, g], out, flops=4 * y.size, transcendentals=0),
       name="softmax_bwd",
   )(y, g)

@@ -121,11 +121,6 @@ def grid_for(n: int, block: int = BLOCK) -> tuple[int]:
   return (max(1, math.ceil(n / block)),)
 
 
-def traffic_bytes(n: int, itemsize: int, *, backward: bool = False) -> int:
-  """HBM bytes one launch reads and writes: 2 reads + 1 write forward, 3 + 1 backward."""
-  return (4 if backward else 3) * n * itemsize
-
-
 def add_act_forward(a, b, act: str):
   """``act(a + b)`` through jax-triton (GPU only)."""
   import jax

@@ -71,11 +71,6 @@ def grid_for(rows: int, h: int, block_r: int = BLOCK_R, block_c: int = BLOCK_C) 
   return (max(1, math.ceil(rows / block_r)), max(1, math.ceil(h / block_c)))
 
 
-def traffic_bytes(rows: int, h: int, itemsize: int, *, backward: bool = False) -> int:
-  """HBM bytes one launch reads and writes: 2 reads + 1 write forward, 3 + 2 backward."""
-  return (5 if backward else 3) * rows * h * itemsize
-
-
 def glu_forward(a, b, act: str):
   """``act(a) * b`` for 2-D ``a`` and ``b``, or packed ``a = [a | b]`` when ``b`` is None (GPU)."""
   import jax

@@ -87,15 +87,6 @@ def backward_grid(n_rows: int) -> tuple[int, int]:
   return max(1, math.ceil(n_rows / rows_per_program)), rows_per_program
 
 
-def traffic_bytes(n_rows: int, n_cols: int, itemsize: int, *, backward: bool = False) -> int:
-  """HBM bytes one launch reads and writes (the scale counted once)."""
-  n = n_rows * n_cols
-  if not backward:
-    return 2 * n * itemsize + n_cols * itemsize + 4 * n_rows
-  programs, _ = backward_grid(n_rows)
-  return 3 * n * itemsize + n_cols * itemsize + 4 * n_rows + 4 * programs * n_cols
-
-
 def rms_norm_forward(x, scale, *, eps: float):
   """``(y, rstd)`` for ``(rows, H)`` x through jax-triton (GPU only); rstd is float32 (rows, 1)."""
   import jax

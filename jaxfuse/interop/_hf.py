@@ -1,0 +1,342 @@
+"""Hugging Face LLaMA / Mistral / Qwen2 checkpoints to and from :class:`jaxfuse.models.Decoder`.
+
+The decoder's parameters map one to one onto a ``*ForCausalLM`` state dict
+(:func:`hf_param_map`): ``model.embed_tokens.weight``, per layer ``model.layers.{i}.``
+``input_layernorm.weight``, ``self_attn.{q,k,v,o}_proj.{weight,bias}``,
+``post_attention_layernorm.weight``, ``mlp.{gate,up,down}_proj.{weight,bias}``, then
+``model.norm.weight`` and ``lm_head.weight`` (absent when the embeddings are tied). Linear
+weights are transposed (torch ``[out, in]``, flax ``[in, out]``); the rest keep their layout.
+
+Checkpoint directories are read with ``safetensors`` alone (no ``transformers`` model class is
+imported; ``transformers``' config classes supply the defaults of fields a ``config.json``
+leaves out, when installed). Writing one for ``transformers`` uses its config class.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxfuse.interop import _torch_maps
+from jaxfuse.interop._torch_maps import TorchParam
+
+SAFETENSORS_NAME = "model.safetensors"
+SAFETENSORS_INDEX_NAME = "model.safetensors.index.json"
+CONFIG_NAME = "config.json"
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                 "qwen2": "Qwen2ForCausalLM"}
+
+# safetensors dtype names -> numpy dtypes (bfloat16 is ml_dtypes', which jax uses).
+_SAFETENSORS_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": jnp.bfloat16,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+    "BOOL": np.bool_,
+}
+# Buffers some checkpoints carry that the config determines (the rotary inverse frequencies).
+_DERIVED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _decoder_class():
+  from jaxfuse.models.decoder import Decoder
+
+  return Decoder
+
+
+def hf_param_map(cfg) -> dict[tuple, TorchParam]:
+  """The decoder's parameter paths mapped to Hugging Face ``*ForCausalLM`` state-dict entries.
+
+  Args:
+    cfg: a :class:`jaxfuse.models.DecoderConfig`.
+
+  Returns:
+    ``{path: TorchParam}``; paths index the decoder (``("layers", 0, "mlp", "up_proj",
+    "kernel")``); with tied embeddings there is no ``lm_head.weight`` entry.
+
+  Example:
+    >>> from jaxfuse.interop import hf_param_map
+    >>> from jaxfuse.models import DecoderConfig
+    >>> cfg = DecoderConfig(vocab_size=64, d_model=16, num_layers=1, num_heads=2, mlp_dim=32)
+    >>> hf_param_map(cfg)[("layers", 0, "self_attn", "q_proj", "kernel")]
+    TorchParam(key='model.layers.0.self_attn.q_proj.weight', transposed=True, flatten=None)
+    >>> len(hf_param_map(cfg)), len(hf_param_map(cfg.replace(tie_embeddings=True)))
+    (12, 11)
+  """
+  out = {("embed_tokens", "embedding"): TorchParam("model.embed_tokens.weight")}
+
+  def linear(path, key, use_bias):
+    out[path + ("kernel",)] = TorchParam(key + ".weight", True)
+    if use_bias:
+      out[path + ("bias",)] = TorchParam(key + ".bias")
+
+  for i in range(cfg.num_layers):
+    layer, prefix = ("layers", i), f"model.layers.{i}."
+    out[layer + ("input_layernorm", "scale")] = TorchParam(prefix + "input_layernorm.weight")
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+      use_bias = cfg.o_bias if name == "o_proj" else cfg.qkv_bias
+      linear(layer + ("self_attn", name), f"{prefix}self_attn.{name}", use_bias)
+    out[layer + ("post_attention_layernorm", "scale")] = TorchParam(
+        prefix + "post_attention_layernorm.weight")
+    for name in ("gate_proj", "up_proj", "down_proj"):
+      linear(layer + ("mlp", name), f"{prefix}mlp.{name}", cfg.mlp_bias)
+  out[("norm", "scale")] = TorchParam("model.norm.weight")
+  if not cfg.tie_embeddings:
+    out[("lm_head", "kernel")] = TorchParam("lm_head.weight")
+  return out
+
+
+def decoder_params_or_none(module):
+  """:func:`hf_param_map` of a :class:`jaxfuse.models.Decoder`'s config; None for another
+  module."""
+  if isinstance(module, _decoder_class()):
+    return hf_param_map(module.cfg)
+  return None
+
+
+def _check_decoder(model, fn: str):
+  if not isinstance(model, _decoder_class()):
+    raise TypeError(f"{fn}: expected a jaxfuse.models.Decoder, got {type(model).__name__}")
+
+
+def _canonical_keys(model, state_dict: Mapping) -> dict:
+  """The state dict under ``*ForCausalLM`` keys: ``model.`` added where a base model's keys lack
+  it, derived buffers dropped, and a tied ``lm_head.weight`` checked against the embedding and
+  dropped."""
+  out = {}
+  for key, value in state_dict.items():
+    if key.endswith(_DERIVED_SUFFIXES):
+      continue
+    if key != "lm_head.weight" and not key.startswith("model."):
+      key = "model." + key
+    if key in out:
+      raise ValueError(f"state_dict: key {key!r} appears both with and without the 'model.' "
+                       f"prefix")
+    out[key] = value
+  if model.cfg.tie_embeddings and "lm_head.weight" in out:
+    head = _torch_maps.to_numpy(out.pop("lm_head.weight"))
+    embedding = out.get("model.embed_tokens.weight")
+    if embedding is not None and not np.array_equal(head, _torch_maps.to_numpy(embedding)):
+      raise ValueError("state_dict['lm_head.weight'] differs from "
+                       "state_dict['model.embed_tokens.weight'], but the config ties them "
+                       "(tie_word_embeddings=True)")
+  return out
+
+
+def load_hf_state_dict(model, state_dict: Mapping, *, strict: bool = True) -> None:
+  """Copies a Hugging Face LLaMA / Mistral / Qwen2 state dict into a decoder, in place.
+
+  Args:
+    model: a :class:`jaxfuse.models.Decoder` whose config matches the checkpoint's.
+    state_dict: a ``*ForCausalLM`` (or base ``*Model``) ``state_dict()``, or the arrays of a
+      ``safetensors`` checkpoint: torch tensors or arrays. Keys may lack the ``model.`` prefix.
+      With tied embeddings, ``lm_head.weight`` may be absent or equal to the embedding.
+      ``rotary_emb.inv_freq`` buffers are skipped (the config determines them).
+    strict: refuse keys the decoder has no parameter for.
+
+  Raises:
+    ValueError: a key is missing or unknown, a shape does not match, or a tied
+      ``lm_head.weight`` differs from the embedding; the message names the key.
+
+  Example:
+    >>> from flax import nnx
+    >>> from jaxfuse import interop
+    >>> from jaxfuse.models import Decoder, DecoderConfig
+    >>> cfg = DecoderConfig(vocab_size=64, d_model=16, num_layers=1, num_heads=2, mlp_dim=32)
+    >>> a, b = Decoder(cfg, rngs=nnx.Rngs(0)), Decoder(cfg, rngs=nnx.Rngs(1))
+    >>> interop.load_hf_state_dict(b, interop.hf_state_dict(a))
+    >>> bool((a.norm.scale[...] == b.norm.scale[...]).all())
+    True
+    >>> state = interop.hf_state_dict(a)
+    >>> del state["model.norm.weight"]
+    >>> interop.load_hf_state_dict(b, state)
+    Traceback (most recent call last):
+    ...
+    ValueError: state_dict: missing keys ['model.norm.weight'], unexpected keys []
+  """
+  _check_decoder(model, "load_hf_state_dict")
+  _torch_maps.load_torch_state_dict(model, _canonical_keys(model, state_dict), strict=strict,
+                                    mapping=hf_param_map(model.cfg))
+
+
+def hf_state_dict(model, *, as_torch: bool = False) -> dict:
+  """A decoder's parameters under Hugging Face ``*ForCausalLM`` keys and layouts.
+
+  Args:
+    model: a :class:`jaxfuse.models.Decoder`.
+    as_torch: torch tensors (else numpy arrays).
+
+  Returns:
+    ``{key: array}``; with tied embeddings there is no ``lm_head.weight`` (as in a saved
+    checkpoint: load it into a live ``transformers`` model with ``strict=False``, or re-tie).
+
+  Example:
+    >>> from flax import nnx
+    >>> from jaxfuse import interop
+    >>> from jaxfuse.models import Decoder, DecoderConfig
+    >>> cfg = DecoderConfig(vocab_size=64, d_model=16, num_layers=1, num_heads=2, mlp_dim=32)
+    >>> state = interop.hf_state_dict(Decoder(cfg, rngs=nnx.Rngs(0)))
+    >>> state["model.layers.0.mlp.up_proj.weight"].shape, state["lm_head.weight"].shape
+    ((32, 16), (64, 16))
+  """
+  _check_decoder(model, "hf_state_dict")
+  return _torch_maps.torch_state_dict(model, as_torch=as_torch, mapping=hf_param_map(model.cfg))
+
+
+# Checkpoint files --------------------------------------------------------------------------------
+
+
+def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
+  """The tensors of one ``.safetensors`` file as numpy arrays (bfloat16 as ``jnp.bfloat16``)."""
+  import safetensors
+
+  out = {}
+  for name, view in safetensors.deserialize(Path(path).read_bytes()):
+    dtype = _SAFETENSORS_DTYPES.get(view["dtype"])
+    if dtype is None:
+      raise ValueError(f"{path}: tensor {name!r} has dtype {view['dtype']}, which is not "
+                       f"supported (supported: {sorted(_SAFETENSORS_DTYPES)})")
+    out[name] = np.frombuffer(view["data"], dtype=dtype).reshape(view["shape"])
+  return out
+
+
+def read_checkpoint(directory: str | os.PathLike) -> dict[str, np.ndarray]:
+  """The tensors of a ``save_pretrained`` directory: ``model.safetensors``, or the shards that
+  ``model.safetensors.index.json`` lists.
+
+  Raises:
+    FileNotFoundError: neither file, or a shard the index names, exists.
+    ValueError: a shard lacks a tensor the index assigns to it.
+  """
+  directory = Path(directory)
+  single, index = directory / SAFETENSORS_NAME, directory / SAFETENSORS_INDEX_NAME
+  if single.is_file():
+    return read_safetensors(single)
+  if not index.is_file():
+    raise FileNotFoundError(f"{directory}: no {SAFETENSORS_NAME} or {SAFETENSORS_INDEX_NAME} "
+                            f"(only safetensors checkpoints are read)")
+  weight_map = json.loads(index.read_text())["weight_map"]
+  out = {}
+  for shard in sorted(set(weight_map.values())):
+    if not (directory / shard).is_file():
+      raise FileNotFoundError(f"{directory}: shard {shard} named in {SAFETENSORS_INDEX_NAME} "
+                              f"does not exist")
+    tensors = read_safetensors(directory / shard)
+    for key, file in weight_map.items():
+      if file == shard and key not in tensors:
+        raise ValueError(f"{directory / shard}: has no tensor {key!r}, which "
+                         f"{SAFETENSORS_INDEX_NAME} assigns to it")
+    out.update(tensors)
+  return out
+
+
+# Models ------------------------------------------------------------------------------------------
+
+
+def _decoder_from(cfg, state_dict: Mapping, *, fused: bool, remat, implementation):
+  """A decoder with its parameters from ``state_dict``, without initializing them first."""
+  from flax import nnx
+
+  decoder = _decoder_class()
+  model = nnx.eval_shape(lambda: decoder(cfg, fused=fused, remat=remat,
+                                         implementation=implementation, rngs=nnx.Rngs(0)))
+  load_hf_state_dict(model, state_dict)
+  for path, leaf in nnx.to_flat_state(nnx.state(model)):
+    if isinstance(leaf.get_value(), jax.ShapeDtypeStruct):
+      raise ValueError(f"from_pretrained: the decoder's {'.'.join(map(str, path))} has no "
+                       f"Hugging Face counterpart to load it from")
+  return model
+
+
+def from_pretrained(source, *, fused: bool = True, remat: str | None = None,
+                    implementation: str | None = None, **overrides):
+  """A :class:`jaxfuse.models.Decoder` from a Hugging Face LLaMA / Mistral / Qwen2 checkpoint.
+
+  Args:
+    source: a ``save_pretrained`` directory (``config.json`` and ``model.safetensors``, or
+      shards listed in ``model.safetensors.index.json``), or a live ``transformers``
+      ``*ForCausalLM`` model.
+    fused, remat, implementation: passed to the :class:`~jaxfuse.models.Decoder`.
+    **overrides: :class:`~jaxfuse.models.DecoderConfig` fields set on the mapped config, e.g.
+      ``dtype=jnp.bfloat16``, ``param_dtype``, ``max_seq_len``.
+
+  Returns:
+    The decoder, its parameters in ``param_dtype`` (float32 unless overridden).
+
+  Raises:
+    jaxfuse.models.UnsupportedConfigError: the config has a field the decoder does not
+      compute (named).
+    ValueError: a key is missing or unknown, or a shape does not match (named).
+    FileNotFoundError: no config or weights in the directory.
+
+  Example:
+    >>> import tempfile
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from jaxfuse import interop
+    >>> from jaxfuse.models import Decoder, DecoderConfig
+    >>> cfg = DecoderConfig(vocab_size=64, d_model=16, num_layers=1, num_heads=2, mlp_dim=32)
+    >>> model = Decoder(cfg, rngs=nnx.Rngs(0))
+    >>> with tempfile.TemporaryDirectory() as path:
+    ...   interop.save_pretrained(model, path)
+    ...   again = interop.from_pretrained(path, fused=False)
+    >>> tokens = jnp.arange(8)[None]
+    >>> bool(jnp.allclose(again.logits(tokens), model.logits(tokens), atol=1e-5))
+    True
+  """
+  from jaxfuse.models.config import DecoderConfig
+
+  if isinstance(source, (str, os.PathLike)):
+    directory = Path(source)
+    config_file = directory / CONFIG_NAME
+    if not config_file.is_file():
+      raise FileNotFoundError(f"{directory}: no {CONFIG_NAME}")
+    cfg = DecoderConfig.from_hf(json.loads(config_file.read_text()), **overrides)
+    state_dict = read_checkpoint(directory)
+  elif hasattr(source, "config") and hasattr(source, "state_dict"):
+    cfg = DecoderConfig.from_hf(source.config, **overrides)
+    state_dict = source.state_dict()
+  else:
+    raise TypeError(f"from_pretrained: expected a directory or a transformers model, got "
+                    f"{type(source).__name__}")
+  return _decoder_from(cfg, state_dict, fused=fused, remat=remat, implementation=implementation)
+
+
+def save_pretrained(model, path: str | os.PathLike, model_type: str = "llama") -> None:
+  """Writes a decoder as a Hugging Face checkpoint directory that
+  ``transformers.AutoModelForCausalLM.from_pretrained(path)`` loads.
+
+  The directory gets ``config.json`` (from :meth:`DecoderConfig.to_hf`, with ``architectures``
+  and ``dtype`` set; needs ``transformers``) and ``model.safetensors`` (the parameters in their
+  ``param_dtype``; no ``lm_head.weight`` when tied). A sharded checkpoint already there (an
+  index and the shards it lists) is removed, so that loaders find this one.
+
+  Args:
+    model: a :class:`jaxfuse.models.Decoder`.
+    path: the directory (created if needed).
+    model_type: ``"llama"``, ``"mistral"`` or ``"qwen2"``; the config must be expressible in it
+      (e.g. q/k/v biases without an output bias are Qwen2's).
+
+  Raises:
+    ValueError: the config cannot be written as ``model_type``.
+  """
+  import safetensors.numpy
+
+  _check_decoder(model, "save_pretrained")
+  hf_config = model.cfg.to_hf(model_type)
+  hf_config.architectures = [ARCHITECTURES[model_type]]
+  hf_config.dtype = jnp.dtype(model.cfg.param_dtype).name
+  directory = Path(path)
+  directory.mkdir(parents=True, exist_ok=True)
+  index = directory / SAFETENSORS_INDEX_NAME
+  if index.is_file():
+    for shard in set(json.loads(index.read_text()).get("weight_map", {}).values()):
+      (directory / shard).unlink(missing_ok=True)
+    index.unlink()
+  hf_config.save_pretrained(directory)
+  safetensors.numpy.save_file(hf_state_dict(model), directory / SAFETENSORS_NAME,
+                              metadata={"format": "pt"})
