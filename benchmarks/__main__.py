@@ -5,9 +5,8 @@ are already there, or ``--system-env`` is given); they apply to every candidate 
 
 - glibc malloc keeps freed memory for reuse (one arena, no ``mmap`` for large blocks, no
   trimming). By default each step that allocates large outputs gets fresh pages and pays page
-  faults again: XLA, which allocates its outputs on its own threads, spent more time in the
-  kernel than in its loops (norm suite, quick: 15 s of system time in 45 s, 2.8 s with these
-  settings; a 4096x1024 SwiGLU step went from 26 ms to 6.3 ms).
+  faults again: XLA allocates its outputs on its own threads, and page faults can take more
+  time than its loops (compare a suite's times with ``--system-env``).
 - ``OMP_WAIT_POLICY=PASSIVE``: torch's OpenMP threads otherwise spin after each torch call on
   the cores the next (JAX) candidate needs; torch's own times did not change with it.
 """

@@ -30,6 +30,7 @@ SUITES = {
     "norm": "benchmarks.suites.norm",
     "attention": "benchmarks.suites.attention",
     "xent": "benchmarks.suites.xent",
+    "layouts": "benchmarks.suites.layouts",
 }
 # Options that say where tables go, left out of the command a table says it was written by.
 _OUTPUT_OPTIONS = ("--readme", "--headline")

@@ -95,9 +95,9 @@ def test_kernels_with_small_tiles():
   y, (da, db), y_packed, dx = run(a, b, g)
   want, vjp = jax.vjp(lambda a, b: fn(a) * b, a, b)
   want_da, want_db = vjp(g)
-  for got, ref in ((y, want), (da, want_da), (db, want_db), (y_packed, want),
-                   (dx, jnp.concatenate([want_da, want_db], axis=-1))):
-    helpers.assert_close(got, ref)
+  for got, expected in ((y, want), (da, want_da), (db, want_db), (y_packed, want),
+                        (dx, jnp.concatenate([want_da, want_db], axis=-1))):
+    helpers.assert_close(got, expected)
 
 
 def test_reference_takes_both_forms():

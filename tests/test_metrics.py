@@ -118,6 +118,29 @@ def test_timing_adds_rounds_until_min_seconds():
   assert capped["nap"].runs == 3
 
 
-def test_peak_bytes_is_none_or_positive():
-  peak = metrics.peak_bytes()
-  assert peak is None or peak > 0
+class _Device:
+  def __init__(self, stats):
+    self.stats = stats
+
+  def memory_stats(self):
+    if isinstance(self.stats, Exception):
+      raise self.stats
+    return self.stats
+
+
+def test_peak_bytes_reads_the_device_statistics():
+  assert metrics.peak_bytes(_Device({"peak_bytes_in_use": 123, "bytes_in_use": 7})) == 123
+  assert metrics.peak_bytes(_Device({"bytes_in_use": 7})) is None     # no peak reported
+  assert metrics.peak_bytes(_Device(None)) is None                    # XLA:CPU's answer
+  assert metrics.peak_bytes(_Device(RuntimeError("unsupported"))) is None
+  if jax.default_backend() == "cpu":
+    assert metrics.peak_bytes() is None
+
+
+def test_compiled_memory_reports_the_temporaries():
+  """Sorting exp(x) needs the exponentials in a temporary buffer."""
+  x = jnp.ones((1024, 1024))
+  stats = metrics.compiled_memory(lambda x: jnp.sort(jnp.exp(x), axis=0).sum(), x)
+  assert stats["argument_bytes"] == 4 * 1024 * 1024
+  assert stats["output_bytes"] == 4
+  assert stats["temp_bytes"] >= 4 * 1024 * 1024

@@ -74,9 +74,7 @@ class LMHead(nn.Module):
     h, weight = h.astype(dtype), weight.astype(dtype)
     bias = None if bias is None else bias.astype(dtype)
     if labels is None or deterministic:
-      out = jnp.einsum("...d,vd->...v", h, weight, preferred_element_type=jnp.float32,
-                       precision=jax.lax.Precision.HIGHEST)
-      return out if bias is None else out + bias.astype(jnp.float32)
+      return cross_entropy.linear_logits(h, weight, bias)
     return cross_entropy.linear_cross_entropy(
         h, weight, labels, bias=bias, ignore_index=self.ignore_index, reduction=self.reduction,
         label_smoothing=self.label_smoothing, z_loss=self.z_loss,

@@ -106,10 +106,7 @@ class LMHead(nnx.Module):
 
   def logits(self, h: Array) -> Array:
     """Float32 logits ``h @ weight.T + bias`` for a small slice of ``h``."""
-    h, weight, bias = self._arrays(h)
-    out = jnp.einsum("...d,vd->...v", h, weight, preferred_element_type=jnp.float32,
-                     precision=jax.lax.Precision.HIGHEST)
-    return out if bias is None else out + bias.astype(jnp.float32)
+    return cross_entropy.linear_logits(*self._arrays(h))
 
   def __call__(self, h: Array, labels: Array | None = None):
     if labels is None or self.deterministic:

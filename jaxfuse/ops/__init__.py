@@ -3,7 +3,8 @@ that chooses what the backward keeps; ``implementation=None | "pallas" | "triton
 
 from jaxfuse.ops import activations
 from jaxfuse.ops.bias_activation import bias_act, bias_act_reference
-from jaxfuse.ops.cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
+from jaxfuse.ops.cross_entropy import (linear_cross_entropy, linear_cross_entropy_reference,
+                                       linear_logits)
 from jaxfuse.ops.dispatch import (IMPLEMENTATIONS, ImplementationUnavailableError, can_run,
                                   pallas_interpret)
 from jaxfuse.ops.elementwise import add_act, add_act_reference, add_act_unfused, relu
@@ -42,6 +43,7 @@ __all__ = [
     "layer_norm_reference",
     "linear_cross_entropy",
     "linear_cross_entropy_reference",
+    "linear_logits",
     "linear_reference",
     "pallas_interpret",
     "recompute_linear",

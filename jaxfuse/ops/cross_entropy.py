@@ -55,6 +55,21 @@ _MIN_CHUNK, _MAX_CHUNK = 8, 4096
 # Reference: full logits ------------------------------------------------------------------------
 
 
+def linear_logits(h: jax.Array, weight: jax.Array, bias: jax.Array | None = None) -> jax.Array:
+  """Float32 logits ``h @ weight.T + bias`` (weight ``[V, D]``), materialized: the LM heads'
+  eval path, for a few positions (the loss never builds them).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxfuse.ops import linear_logits
+    >>> linear_logits(jnp.ones((2, 4)), jnp.eye(3, 4)).shape
+    (2, 3)
+  """
+  out = jnp.einsum("...d,vd->...v", h, weight, preferred_element_type=jnp.float32,
+                   precision=_HIGHEST)
+  return out if bias is None else out + bias.astype(jnp.float32)
+
+
 def linear_cross_entropy_reference(h, weight, labels, *, bias=None, ignore_index=-100,
                                    reduction="mean", label_smoothing=0.0, z_loss=0.0,
                                    logit_softcap=None):

@@ -1,6 +1,5 @@
 """Torch twins of the activation family: softmax, bias + activation, gated units and MLP blocks."""
 
-import torch
 import torch.nn.functional as F
 from torch import nn
 

@@ -275,7 +275,7 @@ def _visit(lo, a, b, hi, step, carry):
 
 def forward(q, k, v, q_seg, kv_seg, kv_lengths, bias, cfg):
   un = _prepare_units(q, k, v, q_seg, kv_seg, kv_lengths, bias, cfg)
-  nq, nk, blk, g, d = un.nq, un.nk, un.blk, un.g, un.d
+  nq, blk, g, d = un.nq, un.blk, un.g, un.d
 
   def unit(args):
     u, qu, ku, vu = args
