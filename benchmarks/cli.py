@@ -31,6 +31,7 @@ SUITES = {
     "attention": "benchmarks.suites.attention",
     "xent": "benchmarks.suites.xent",
     "layouts": "benchmarks.suites.layouts",
+    "train": "benchmarks.suites.train",
 }
 # Options that say where tables go, left out of the command a table says it was written by.
 _OUTPUT_OPTIONS = ("--readme", "--headline")

@@ -154,7 +154,7 @@ def torch_hessian_vector_products(fn, args, w, vs):
   return torch.autograd.grad(directional, targs, allow_unused=True)
 
 
-def assert_second_order_close(got, want, *, rtol: float = 1e-4, what: str = "") -> None:
+def assert_second_order_close(got, want, *, rtol: float = FP32_RTOL, what: str = "") -> None:
   """float32 second derivatives against float64 ones: within ``rtol`` of the largest entry.
 
   A Hessian-vector product sums products of first and second derivatives over every element;

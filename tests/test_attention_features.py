@@ -1,6 +1,7 @@
 """The attention features a decoder needs: bottom-right causal alignment, sliding windows, logit
-soft-capping and decoding from a KV cache, against float64 torch twins, and the tiles the
-sliding window lets the XLA path skip."""
+soft-capping and decoding from a KV cache, on both implementations (Pallas in interpret mode)
+against float64 torch twins, second order included, and the tiles the sliding window lets the
+XLA path skip (the Pallas kernels' tile ranges are tested in test_attention_pallas.py)."""
 
 import jax
 import jax.numpy as jnp
@@ -8,9 +9,22 @@ import numpy as np
 import pytest
 import torch
 
+from jaxfuse.kernels.pallas.flash_attention import BlockSizes
 from jaxfuse.ops import attention
-from jaxfuse.ops.flash_attention import xla
+from jaxfuse.ops.flash_attention import tuning, xla
 from tests import helpers
+
+# Query and key tiles of different sizes, so that several of each are visited at these lengths
+# and the kernels' tile arithmetic meets tiles of both shapes.
+SMALL_BLOCKS = BlockSizes(16, 32, 32, 16, 16, 32)
+
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+  """16- and 32-wide tiles on both paths."""
+  monkeypatch.setattr(xla, "XLA_BLOCK", 16)
+  monkeypatch.setattr(tuning, "block_sizes_for",
+                      lambda q, k, **_: SMALL_BLOCKS.clipped(q.shape[1], k.shape[1]))
 
 
 def _inputs(b, tq, tk, hq, hkv, d, seed=0, dtype=jnp.float32):
@@ -22,9 +36,11 @@ def _inputs(b, tq, tk, hq, hkv, d, seed=0, dtype=jnp.float32):
   return q, k, v, g
 
 
-def _torch_attention(q, k, v, *, causal, window=None, softcap=None, kv_lengths=None):
+def _torch_attention(q, k, v, *, causal, window=None, softcap=None, kv_lengths=None,
+                     bias=None):
   """Attention written out in torch (float64 in, float64 out), with an explicit mask:
-  ``causal`` is None, "top_left" or "bottom_right" (relative to the valid keys)."""
+  ``causal`` is None, "top_left" or "bottom_right" (relative to the valid keys); ``bias`` is
+  added after the soft-cap."""
   b, tq, hq, d = q.shape
   tk, hkv = k.shape[1], k.shape[2]
   qh = q.permute(0, 2, 1, 3)
@@ -33,6 +49,8 @@ def _torch_attention(q, k, v, *, causal, window=None, softcap=None, kv_lengths=N
   s = qh @ kh.transpose(-1, -2) / d ** 0.5
   if softcap is not None:
     s = softcap * torch.tanh(s / softcap)
+  if bias is not None:
+    s = s + bias
   lengths = torch.full((b,), tk) if kv_lengths is None else torch.tensor(
       np.array(kv_lengths))
   key = torch.arange(tk)[None, None, :]
@@ -61,13 +79,14 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("impl", helpers.CPU_IMPLEMENTATIONS)
 @pytest.mark.parametrize("tq,tk,causal,window,softcap,lengths", CASES, ids=str)
-def test_features_match_torch_float64(tq, tk, causal, window, softcap, lengths, monkeypatch):
-  monkeypatch.setattr(xla, "XLA_BLOCK", 16)   # several tiles at these lengths
+def test_features_match_torch_float64(tq, tk, causal, window, softcap, lengths, impl,
+                                      small_tiles, pallas_mode):
   q, k, v, g = _inputs(2, tq, tk, 4, 2, 16, seed=tq + tk)
   kv_lengths = jnp.array([tk, max(1, tk - 11)]) if lengths else None
   kw = dict(causal=causal or False, sliding_window=window, logit_softcap=softcap,
-            kv_lengths=kv_lengths)
+            kv_lengths=kv_lengths, implementation=impl)
   got = helpers.jax_value_and_grads(lambda q, k, v: attention(q, k, v, **kw), (q, k, v), g)
   want = helpers.torch_value_and_grads(
       lambda q, k, v: _torch_attention(q, k, v, causal=causal, window=window, softcap=softcap,
@@ -76,13 +95,35 @@ def test_features_match_torch_float64(tq, tk, causal, window, softcap, lengths, 
     helpers.assert_close(a, b, what=what)
 
 
+@pytest.mark.parametrize("impl", helpers.CPU_IMPLEMENTATIONS)
+def test_features_with_a_bias_match_torch_float64(impl, small_tiles, pallas_mode):
+  """The bias is added after the soft-cap: its gradient is taken before the cap's factor."""
+  tq, tk = 29, 45
+  q, k, v, g = _inputs(2, tq, tk, 4, 2, 16, seed=8)
+  bias = jax.random.normal(jax.random.key(9), (1, 4, tq, tk))
+  kv_lengths = jnp.array([tk, 30])
+  kw = dict(causal="bottom_right", window=13, softcap=3.0, kv_lengths=kv_lengths)
+  got = helpers.jax_value_and_grads(
+      lambda q, k, v, bias: attention(q, k, v, bias=bias, causal=kw["causal"],
+                                      sliding_window=kw["window"], logit_softcap=kw["softcap"],
+                                      kv_lengths=kv_lengths, implementation=impl),
+      (q, k, v, bias), g)
+  want = helpers.torch_value_and_grads(
+      lambda q, k, v, bias: _torch_attention(q, k, v, bias=bias, **kw), (q, k, v, bias), g,
+      torch.float64)
+  for a, b, what in zip(got, want, ("out", "dq", "dk", "dv", "dbias")):
+    helpers.assert_close(a, b, what=what)
+
+
+@pytest.mark.parametrize("impl", helpers.CPU_IMPLEMENTATIONS)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: jnp.dtype(d).name)
-def test_features_in_low_precision_within_twice_torch_error(dtype):
+def test_features_in_low_precision_within_twice_torch_error(dtype, impl, small_tiles,
+                                                            pallas_mode):
   q, k, v, g = _inputs(2, 29, 45, 4, 1, 16, seed=3, dtype=dtype)
   kw = dict(causal="bottom_right", window=10, softcap=4.0)
   got = helpers.jax_value_and_grads(
       lambda q, k, v: attention(q, k, v, causal=kw["causal"], sliding_window=kw["window"],
-                                logit_softcap=kw["softcap"]), (q, k, v), g)
+                                logit_softcap=kw["softcap"], implementation=impl), (q, k, v), g)
   twin = lambda q, k, v: _torch_attention(q, k, v, **kw)  # noqa: E731
   exact = helpers.torch_value_and_grads(twin, (q, k, v), g, torch.float64)
   low = helpers.torch_value_and_grads(twin, (q, k, v), g)
@@ -91,24 +132,47 @@ def test_features_in_low_precision_within_twice_torch_error(dtype):
     helpers.assert_within_low_precision_error(a, e, t, what=what)
 
 
-def test_decoding_from_a_cache_equals_the_full_forward():
+@pytest.mark.parametrize("impl", helpers.CPU_IMPLEMENTATIONS)
+def test_decoding_from_a_cache_equals_the_full_forward(impl, small_tiles, pallas_mode):
   """Prefill a prompt into a key/value buffer, then feed one query at a time with
   causal='bottom_right' and kv_lengths: each output equals that row of full causal attention
-  over the whole sequence. The prefix's keys are never recomputed."""
+  over the whole sequence. The prefix's keys are never recomputed. The batch elements hold
+  sequences of different lengths, so the offset differs between them."""
   b, t, hq, hkv, d, buffer = 2, 23, 4, 2, 16, 40
   q, k, v, _ = _inputs(b, t, t, hq, hkv, d, seed=5)
-  full = attention(q, k, v, causal=True, sliding_window=9)
+  run = jax.jit(lambda q, k, v, lengths: attention(
+      q, k, v, causal="bottom_right", kv_lengths=lengths, sliding_window=9,
+      implementation=impl))
+  full = attention(q, k, v, causal=True, sliding_window=9, implementation="xla")
   k_buf = jnp.zeros((b, buffer, hkv, d)).at[:, :t].set(k)
   v_buf = jnp.zeros((b, buffer, hkv, d)).at[:, :t].set(v)
   prompt = 15
-  lengths = jnp.full((b,), prompt)
-  out = attention(q[:, :prompt], k_buf, v_buf, causal="bottom_right", kv_lengths=lengths,
-                  sliding_window=9)
+  out = run(q[:, :prompt], k_buf, v_buf, jnp.full((b,), prompt))
   helpers.assert_close(out, full[:, :prompt])
   for pos in range(prompt, t):
-    step = attention(q[:, pos:pos + 1], k_buf, v_buf, causal="bottom_right",
-                     kv_lengths=jnp.full((b,), pos + 1), sliding_window=9)
-    helpers.assert_close(step[:, 0], full[:, pos], what=f"position {pos}")
+    ahead = jnp.array([0, 1])   # the second sequence is one token further on
+    at = jnp.minimum(pos + ahead, t - 1)
+    step = run(q[jnp.arange(b), at][:, None], k_buf, v_buf, at + 1)
+    helpers.assert_close(step[:, 0], full[jnp.arange(b), at], what=f"position {pos}")
+
+
+@pytest.mark.parametrize("impl", helpers.CPU_IMPLEMENTATIONS)
+def test_second_order_of_the_features_matches_torch(impl, small_tiles, pallas_mode):
+  """Hessian-vector products (reverse over reverse, forward over reverse) with bottom-right
+  alignment, a window, a soft-cap and grouped-query heads, against torch's double backward."""
+  q, k, v, w = _inputs(2, 11, 19, 4, 2, 8, seed=6)
+  kw = dict(causal="bottom_right", window=6, softcap=2.0)
+  vs = _inputs(2, 11, 19, 4, 2, 8, seed=7)[:3]
+
+  def fn(q, k, v):
+    return attention(q, k, v, causal=kw["causal"], sliding_window=kw["window"],
+                     logit_softcap=kw["softcap"], implementation=impl)
+
+  reverse, forward = helpers.jax_hessian_vector_products(fn, (q, k, v), w, vs)
+  want = helpers.torch_hessian_vector_products(
+      lambda q, k, v: _torch_attention(q, k, v, **kw), (q, k, v), w, vs)
+  helpers.assert_second_order_close(reverse, want, what="reverse over reverse")
+  helpers.assert_second_order_close(forward, want, what="forward over reverse")
 
 
 @pytest.mark.parametrize("window", [1, 16, 17, 40])

@@ -2,13 +2,16 @@
 CUDA (Triton) of every kernel forward and backward, the remat kernel count, tile sizes and the
 autotuner. The tests shared with the XLA path are in test_attention.py."""
 
+import itertools
 import json
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import jaxfuse
+from jaxfuse.kernels.pallas import flash_attention as kernels
 from jaxfuse.ops import attention
 from jaxfuse.ops import flash_attention as fa
 from tests import helpers
@@ -64,6 +67,84 @@ def test_pallas_kernels_lower_for_cuda_with_every_mask():
   step = jax.value_and_grad(loss, argnums=(0, 1, 2, 3))
   names = sorted(helpers.triton_kernel_names(helpers.lower_for_gpu(step, q, k, v, bias)))
   assert names == ["attention_bwd_dbias"] + KERNELS
+
+
+FEATURES = {  # name: (q_len, kv_len, attention's keyword arguments)
+    "bottom_right": (77, 100, dict(causal="bottom_right")),
+    "bottom_right-kv_lengths": (77, 100, dict(causal="bottom_right",
+                                              kv_lengths=jnp.array([50, 100], jnp.int32))),
+    "more_queries_than_keys": (100, 77, dict(causal="bottom_right")),
+    "window": (77, 100, dict(causal=True, sliding_window=24)),
+    "bottom_right-window-kv_lengths": (77, 100, dict(causal="bottom_right", sliding_window=33,
+                                                     kv_lengths=jnp.array([3, 90], jnp.int32))),
+    "softcap": (77, 100, dict(logit_softcap=30.0)),
+    "everything": (77, 100, dict(causal="bottom_right", sliding_window=24, logit_softcap=30.0,
+                                 kv_lengths=jnp.array([60, 100], jnp.int32),
+                                 segment_ids=(jnp.zeros((2, 77), jnp.int32),
+                                              jnp.zeros((2, 100), jnp.int32)))),
+}
+
+
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "bias"])
+@pytest.mark.parametrize("name", list(FEATURES))
+def test_pallas_kernels_lower_for_cuda_with_the_features(name, with_bias):
+  """Bottom-right alignment (per batch element with kv_lengths), sliding windows and soft-caps,
+  alone and together, with grouped-query heads: every kernel lowers through Triton."""
+  tq, tk, kw = FEATURES[name]
+  q, k, v, _ = inputs(2, tq, tk, 4, 2, 64, dtype=jnp.bfloat16)
+  bias = jnp.zeros((1, 4, tq, tk), jnp.float32) if with_bias else None
+
+  def loss(q, k, v, bias):
+    o = attention(q, k, v, bias=bias, implementation="pallas", **kw)
+    return jnp.sum(o.astype(jnp.float32))
+
+  step = jax.value_and_grad(loss, argnums=(0, 1, 2, 3) if with_bias else (0, 1, 2))
+  names = sorted(helpers.triton_kernel_names(helpers.lower_for_gpu(step, q, k, v, bias)))
+  assert names == ["attention_bwd_dbias"] * with_bias + KERNELS
+
+
+def _spec(tq, tk, causal, window):
+  return kernels._Spec(b=1, tq=tq, tk=tk, hq=1, hkv=1, d=16, scale=1.0, causal=causal,
+                       window=window, softcap=None, has_kv_lengths=False, has_segments=False,
+                       bias_shape=None, dtype="float32")
+
+
+def _tile_ranges(ranges, n):
+  return [tuple(int(x) for x in t)
+          for t in zip(*(np.broadcast_to(np.asarray(x), (n,)) for x in ranges))]
+
+
+@pytest.mark.parametrize("causal", ["top_left", "bottom_right"])
+def test_kernels_visit_exactly_the_tiles_the_masks_reach(causal):
+  """Per query tile, the forward and dq kernels visit exactly the key tiles holding a pair that
+  the causal mask, the window and the key limit leave, and mask only those a mask edge crosses;
+  per key tile, the dk/dv kernel does the same over query tiles. Query and key tiles differ in
+  size; rows past q_len and keys past the key limit do not count."""
+  for tq, tk, bq, bk, window, short in itertools.product(
+      [1, 37, 64], [20, 53], [16, 32], [16, 32], [None, 1, 7, 16, 40], [0, 11]):
+    limit = tk - short
+    spec = _spec(tq, tk, causal, window)
+    offset = limit - tq if causal == "bottom_right" else 0
+    row, key = np.arange(tq)[:, None] + offset, np.arange(limit)[None, :]
+    seen = (key <= row) & (True if window is None else key > row - window)
+    nq, nk = -(-tq // bq), -(-tk // bk)
+    what = dict(tq=tq, tk=tk, bq=bq, bk=bk, window=window, limit=limit)
+
+    def expected(tile):
+      return ([t for t, pairs in enumerate(tile) if pairs.any()],
+              [t for t, pairs in enumerate(tile) if pairs.any() and pairs.all()])
+
+    tiles = _tile_ranges(kernels._key_tiles(spec, np.arange(nq) * bq, bq, bk, limit, offset), nq)
+    for i, (lo, a, b, hi) in enumerate(tiles):
+      rows = seen[i * bq:(i + 1) * bq]
+      visited, unmasked = expected([rows[:, j * bk:(j + 1) * bk] for j in range(nk)])
+      assert list(range(lo, hi)) == visited and list(range(a, b)) == unmasked, (what, i)
+    tiles = _tile_ranges(kernels._query_tiles(spec, np.arange(nk) * bk, bq, bk, limit, offset),
+                         nk)
+    for j, (lo, a, b, hi) in enumerate(tiles):
+      cols = seen[:, j * bk:(j + 1) * bk]
+      visited, unmasked = expected([cols[i * bq:(i + 1) * bq] for i in range(nq)])
+      assert list(range(lo, hi)) == visited and list(range(a, b)) == unmasked, (what, j)
 
 
 def test_remat_runs_each_kernel_once():

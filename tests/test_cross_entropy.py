@@ -170,7 +170,7 @@ def test_lse_and_accuracy(impl, pallas_mode):
   hits = (logits.argmax(-1) == ty) & valid
   want_accuracy = hits.sum().item() / valid.sum().item()
   assert want_accuracy > 0
-  np.testing.assert_allclose(float(aux["accuracy"]), want_accuracy, rtol=1e-6)
+  helpers.assert_close(aux["accuracy"], want_accuracy)
   per_token = linear_cross_entropy(h, w, y, bias=b, reduction="none", return_accuracy=True,
                                    logit_softcap=5.0, implementation=impl)[1]["accuracy"]
   np.testing.assert_array_equal(np.asarray(per_token), hits.numpy().astype(np.float32))

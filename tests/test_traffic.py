@@ -387,20 +387,40 @@ def test_cross_entropy_logit_gradient(with_bias, smoothing):
 # Attention ---------------------------------------------------------------------------------------
 
 
-def _key_rows_seen(i, bq, bk, tq, tk, causal):
-  """Key rows query tile ``i`` loads: all of them, or (causal) the key tiles up to the one
-  holding its last row's diagonal."""
+def _offset(causal, tq, tk):
+  """Query ``r`` sees keys up to ``r + offset``."""
+  return tk - tq if causal == "bottom_right" else 0
+
+
+def _tiles_over(lo, hi, block, total):
+  """Rows of the ``block``-wide tiles holding positions ``lo..hi`` (none if ``hi < lo``),
+  clipped to ``total``."""
+  if hi < lo:
+    return 0
+  return min((hi // block + 1) * block, total) - lo // block * block
+
+
+def _key_rows_seen(i, bq, bk, tq, tk, causal, window=None):
+  """Key rows query tile ``i`` loads: all of them, or (causal) the key tiles from the one
+  holding its first row's window start to the one holding its last row's diagonal."""
   if not causal:
     return tk
-  tiles = min(cdiv(tk, bk), cdiv(min((i + 1) * bq, tq), bk))
-  return min(tiles * bk, tk)
+  offset = _offset(causal, tq, tk)
+  first, last = i * bq, min((i + 1) * bq, tq) - 1
+  start = 0 if window is None else max(0, first + offset - window + 1)
+  return _tiles_over(start, min(last + offset, tk - 1), bk, tk)
 
 
-def _query_rows_seen(j, bq, bk, tq, causal):
-  """Query rows key tile ``j`` loads (per query head): every query tile from the first one
-  holding a row at or below the tile's first key."""
-  first = min(j * bk // bq, cdiv(tq, bq)) if causal else 0
-  return max(0, tq - first * bq)
+def _query_rows_seen(j, bq, bk, tq, tk, causal, window=None):
+  """Query rows key tile ``j`` loads (per query head): all of them, or (causal) the query
+  tiles from the one holding the first row that sees the tile's first key to the one holding
+  the last row whose window reaches its last key."""
+  if not causal:
+    return tq
+  offset = _offset(causal, tq, tk)
+  first, last = j * bk, min((j + 1) * bk, tk) - 1
+  end = tq - 1 if window is None else min(tq - 1, last - offset + window - 1)
+  return _tiles_over(max(0, first - offset), end, bq, tq)
 
 
 def _rows(i, block, total):
@@ -414,35 +434,41 @@ ATTENTION = [  # (batch, q_len, q_heads, kv_len, kv_heads, head_dim, dtype)
 BLOCKS = pallas_attention.BlockSizes(32, 16, 32, 16, 16, 32)
 
 
+MASKS = [  # (causal, sliding window)
+    (False, None), (True, None), ("bottom_right", None), (True, 24), ("bottom_right", 40)]
+
+
 @pytest.mark.parametrize("with_bias", [False, True])
-@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("causal, window", MASKS, ids=str)
 @pytest.mark.parametrize("b, tq, hq, tk, hkv, d, dtype", ATTENTION)
-def test_attention_kernels(b, tq, hq, tk, hkv, d, dtype, causal, with_bias):
+def test_attention_kernels(b, tq, hq, tk, hkv, d, dtype, causal, window, with_bias):
   q, k, do = S((b, tq, hq, d), dtype), S((b, tk, hkv, d), dtype), S((b, tq, hq, d), dtype)
   lse = S((b, hq, tq), F32)
   bias = S((b, hq, tq, tk), dtype) if with_bias else None
   item, b_item = jnp.dtype(dtype).itemsize, jnp.dtype(dtype).itemsize
   blocks = BLOCKS
   args = (q, k, k) + ((bias,) if with_bias else ())
+  softcap = 30.0 if with_bias else None   # moves nothing; tested with the bias
 
   def forward(with_lse):
     def f(q, k, v, *bias):
       return pallas_attention.forward(q, k, v, None, None, None, bias[0] if bias else None,
-                                      causal=causal, scale=0.125, blocks=blocks,
-                                      with_lse=with_lse)
+                                      causal=causal, window=window, softcap=softcap, scale=0.125,
+                                      blocks=blocks, with_lse=with_lse)
     return _one(f, *args)
 
   def backward(q, k, v, o, lse, do, *bias):
     return pallas_attention.backward(q, k, v, None, None, None, bias[0] if bias else None, o,
-                                     lse, do, causal=causal, scale=0.125, blocks=blocks)
+                                     lse, do, causal=causal, window=window, softcap=softcap,
+                                     scale=0.125, blocks=blocks)
 
   # Forward, grid (query tiles, heads, batch): the query tile once, the key and value rows of
   # the key tiles it visits, the bias tiles there; writes o (and the float32 lse).
   bq, bk = blocks.block_q, blocks.block_k
   tiles = range(cdiv(tq, bq))
-  keys = sum(_key_rows_seen(i, bq, bk, tq, tk, causal) for i in tiles)
-  bias_reads = with_bias * sum(_rows(i, bq, tq) * _key_rows_seen(i, bq, bk, tq, tk, causal)
-                               for i in tiles) * b_item
+  seen = [_key_rows_seen(i, bq, bk, tq, tk, causal, window) for i in tiles]
+  keys = sum(seen)
+  bias_reads = with_bias * sum(_rows(i, bq, tq) * seen[i] for i in tiles) * b_item
   reads = b * hq * (tq * d * item + 2 * keys * d * item + bias_reads)
   for with_lse in (False, True):
     counted = forward(with_lse)
@@ -457,9 +483,9 @@ def test_attention_kernels(b, tq, hq, tk, hkv, d, dtype, causal, with_bias):
   # dq, grid (query tiles, heads, batch): q and do, lse and delta once, k and v as the forward.
   bq, bk = blocks.block_q_dq, blocks.block_k_dq
   tiles = range(cdiv(tq, bq))
-  keys = sum(_key_rows_seen(i, bq, bk, tq, tk, causal) for i in tiles)
-  bias_reads = with_bias * sum(_rows(i, bq, tq) * _key_rows_seen(i, bq, bk, tq, tk, causal)
-                               for i in tiles) * b_item
+  seen = [_key_rows_seen(i, bq, bk, tq, tk, causal, window) for i in tiles]
+  keys = sum(seen)
+  bias_reads = with_bias * sum(_rows(i, bq, tq) * seen[i] for i in tiles) * b_item
   reads = b * hq * (2 * tq * d * item + 2 * tq * 4 + 2 * keys * d * item + bias_reads)
   _assert_traffic(kernels["attention_bwd_dq"], reads, b * hq * tq * d * item)
 
@@ -468,9 +494,9 @@ def test_attention_kernels(b, tq, hq, tk, hkv, d, dtype, causal, with_bias):
   # visits; writes dk and dv.
   bq, bk = blocks.block_q_dkdv, blocks.block_k_dkdv
   key_tiles = range(cdiv(tk, bk))
-  queries = sum(_query_rows_seen(j, bq, bk, tq, causal) for j in key_tiles)
-  bias_reads = with_bias * sum(_query_rows_seen(j, bq, bk, tq, causal) * _rows(j, bk, tk)
-                               for j in key_tiles) * b_item
+  seen = [_query_rows_seen(j, bq, bk, tq, tk, causal, window) for j in key_tiles]
+  queries = sum(seen)
+  bias_reads = with_bias * sum(seen[j] * _rows(j, bk, tk) for j in key_tiles) * b_item
   reads = (b * hkv * 2 * tk * d * item
            + b * hq * (queries * (2 * d * item + 2 * 4) + bias_reads))
   _assert_traffic(kernels["attention_bwd_dkdv"], reads, b * hkv * 2 * tk * d * item)
@@ -482,6 +508,42 @@ def test_attention_kernels(b, tq, hq, tk, hkv, d, dtype, causal, with_bias):
     reads = b * hq * (nk * tq * (2 * d * item + 2 * 4) + nq * tk * 2 * d * item
                       + tq * tk * b_item)
     _assert_traffic(kernels["attention_bwd_dbias"], reads, b * hq * tq * tk * 4)
+
+
+def _attention_traffic(causal, window, with_lengths=False, b=1, t=256, h=2, d=64):
+  """``{kernel name: traffic}`` of the forward and backward kernels at one shape."""
+  x, lse = S((b, t, h, d), F32), S((b, h, t), F32)
+  specs = (x, x, x, x, lse, x) + ((S((b,), jnp.int32),) if with_lengths else ())
+  kw = dict(causal=causal, window=window, scale=0.125, blocks=BLOCKS)
+
+  def both(q, k, v, o, lse, do, *lengths):
+    lengths = lengths[0] if lengths else None
+    return (pallas_attention.forward(q, k, v, None, None, lengths, None, **kw),
+            pallas_attention.backward(q, k, v, None, None, lengths, None, o, lse, do, **kw))
+
+  return {c.name: c for c in _counted(both, *specs)}
+
+
+@pytest.mark.parametrize("causal", [True, "bottom_right"])
+def test_attention_window_skips_the_key_tiles_outside(causal):
+  """A window of 48 keys at 256 positions: every kernel reads fewer tiles than with the causal
+  mask alone (it writes the same)."""
+  alone, windowed = _attention_traffic(causal, None), _attention_traffic(causal, 48)
+  assert sorted(alone) == sorted(windowed) == [
+      "attention_bwd_dkdv", "attention_bwd_dq", "attention_fwd_res"]
+  for name, counted in windowed.items():
+    assert counted.exact and counted.reads < alone[name].reads, name
+    assert counted.writes == alone[name].writes, name
+
+
+def test_attention_with_kv_lengths_is_an_upper_bound():
+  """The offset and the key limit come from kv_lengths, loaded in the kernel: the loop bounds
+  are intervals and the count is an upper bound, at least what a full-length batch moves."""
+  full = _attention_traffic("bottom_right", 48)
+  bounded = _attention_traffic("bottom_right", 48, with_lengths=True)
+  for name, counted in bounded.items():
+    assert not counted.exact, name
+    assert counted.reads >= full[name].reads and counted.writes == full[name].writes, name
 
 
 def test_attention_with_segment_ids_is_an_upper_bound():

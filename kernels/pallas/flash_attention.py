@@ -4,22 +4,31 @@ Layout ``[batch, seq, heads, head_dim]``. Every kernel sees whole ``[seq, head_d
 its (batch, head) and loads power-of-2 tiles of them with masks, so sequence lengths need not be
 multiples of a tile and the head dim need not be a power of 2 (tiles are padded to the next one,
 at least 16, with zeros). Scores are kept in base 2 (``q kᵀ · scale · log2 e``) so the kernels use
-``exp2``; the saved log-sum-exp ``lse`` is in base 2 too.
+``exp2``; the saved log-sum-exp ``lse`` is in base 2 too. With a soft-cap ``c`` the natural-log
+scores become ``c · tanh(q kᵀ · scale / c)`` first, and only then go to base 2 (and get the bias).
+
+Masks: with ``causal`` query ``i`` sees keys ``j <= i + offset``, where ``offset`` is 0
+(``"top_left"``) or ``kv_len - q_len`` (``"bottom_right"``; ``kv_len`` is ``kv_lengths[b]``,
+read inside the kernel, or k's length); a sliding window ``W`` also asks ``j > i + offset - W``.
+Tiles that these masks exclude are skipped, not loaded; of the tiles visited, only those a mask
+edge crosses compute the mask (see :func:`_key_tiles` and :func:`_query_tiles`).
 
 - ``attention_fwd_res``, grid (q tiles, heads, batch): online softmax over the key tiles a query
-  tile can see; causal programs stop at the diagonal and mask only the tiles it crosses; with
-  segment ids, key tiles whose id range does not meet the query tile's are skipped. Writes ``o``
-  and ``lse`` (``+inf`` for rows that see no key: their ``o`` is 0). ``attention_fwd`` is the
-  same kernel writing ``o`` only, for a primal pass whose residuals are recomputed later (under
+  tile can see (from the window's first one to the diagonal's last one); with segment ids, key
+  tiles whose id range does not meet the query tile's are skipped. Writes ``o`` and ``lse``
+  (``+inf`` for rows that see no key: their ``o`` is 0). ``attention_fwd`` is the same kernel
+  writing ``o`` only, for a primal pass whose residuals are recomputed later (under
   ``jax.checkpoint``).
-- ``attention_bwd_dq``, grid (q tiles, heads, batch): recomputes ``p = exp2(s - lse)`` tile by
-  tile, ``ds = p (do vᵀ - delta)`` and accumulates ``dq = ds k``.
+- ``attention_bwd_dq``, grid (q tiles, heads, batch): recomputes ``p = exp2(s - lse)`` over the
+  same key tiles, ``ds = p (do vᵀ - delta)`` (times the soft-cap's ``1 - tanh²``) and
+  accumulates ``dq = ds k``.
 - ``attention_bwd_dkdv``, grid (k tiles, kv heads, batch): walks the query tiles (and the query
   heads sharing the kv head) that see its keys and accumulates ``dk = dsᵀ q``, ``dv = pᵀ do``
   in registers; no atomics.
-- ``attention_bwd_dbias``, grid (q tiles, k tiles, batch x heads): ``ds`` per tile, only when a
-  bias is given. It is a kernel of its own, without side effects, so that XLA can drop it when
-  nothing uses the bias gradient.
+- ``attention_bwd_dbias``, grid (q tiles, k tiles, batch x heads): ``ds`` per tile (before the
+  soft-cap's factor: the bias is added after the cap), only when a bias is given. It is a
+  kernel of its own, without side effects, so that XLA can drop it when nothing uses the bias
+  gradient.
 
 ``delta = rowsum(o * do)`` is one fused XLA reduction before the backward kernels.
 """
@@ -31,6 +40,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
@@ -129,7 +139,9 @@ class _Spec:
   hkv: int
   d: int
   scale: float
-  causal: bool
+  causal: str | None          # None, "top_left" or "bottom_right"
+  window: int | None
+  softcap: float | None
   has_kv_lengths: bool
   has_segments: bool
   bias_shape: tuple[int, ...] | None
@@ -152,10 +164,27 @@ class _Spec:
     return lax.Precision.HIGHEST if jnp.dtype(self.dtype) == jnp.float32 else None
 
 
-def _spec(q, k, bias, kv_lengths, q_seg, scale, causal):
+def _causal_alignment(causal) -> str | None:
+  """``causal`` as None, ``"top_left"`` (also ``True``) or ``"bottom_right"``."""
+  if causal is None or causal is False:
+    return None
+  if causal is True:
+    return "top_left"
+  if causal not in ("top_left", "bottom_right"):
+    raise ValueError(f"attention kernels: causal must be a bool, 'top_left' or 'bottom_right', "
+                     f"got {causal!r}")
+  return causal
+
+
+def _spec(q, k, bias, kv_lengths, q_seg, scale, causal, window, softcap):
   b, tq, hq, d = q.shape
+  causal = _causal_alignment(causal)
+  if window is not None and causal is None:
+    raise ValueError("attention kernels: a sliding window needs a causal mask")
   return _Spec(b=b, tq=tq, tk=k.shape[1], hq=hq, hkv=k.shape[2], d=d, scale=float(scale),
-               causal=causal, has_kv_lengths=kv_lengths is not None,
+               causal=causal, window=None if window is None else int(window),
+               softcap=None if softcap is None else float(softcap),
+               has_kv_lengths=kv_lengths is not None,
                has_segments=q_seg is not None,
                bias_shape=None if bias is None else tuple(bias.shape),
                dtype=jnp.dtype(q.dtype).name)
@@ -235,37 +264,60 @@ def _kv_limit(spec, kv_len_ref, bi):
   return jnp.clip(kv_len_ref[bi], 0, spec.tk)
 
 
+def _offset(spec, kv_limit):
+  """With a causal mask, query ``i`` sees keys ``j <= i + offset``: 0 at the top-left corner,
+  the valid keys less the queries at the bottom-right one (per batch element with
+  kv_lengths)."""
+  return kv_limit - spec.tq if spec.causal == "bottom_right" else 0
+
+
 def _segment_range(ids, valid):
   return (jnp.min(jnp.where(valid, ids, _BIG)), jnp.max(jnp.where(valid, ids, -_BIG)))
 
 
-def _logits(q, k, spec, qs, ks, bq, bk, kv_limit, q_ids, k_ids, bias_tile, causal_mask,
-            keys_on_rows=False):
-  """Base-2 scores of a query tile and a key tile with bias and masks (-inf where masked).
+def _tanh(x):
+  """tanh from ``expm1``, as the XLA path computes it (within 2 ulp in float32)."""
+  m = jnp.expm1(-2.0 * jnp.abs(x))
+  t = -m / (2.0 + m)
+  return jnp.where(x < 0, -t, t)
 
-  Queries on rows ([bq, bk]) unless ``keys_on_rows`` ([bk, bq]).
+
+def _logits(q, k, spec, qs, ks, bq, bk, kv_limit, offset, q_ids, k_ids, bias_tile, masked,
+            keys_on_rows=False):
+  """``(s, dcap)``: the base-2 scores of a query tile and a key tile, soft-capped, biased and
+  masked (-inf where masked), and the soft-cap's derivative ``1 - tanh²`` (None without one).
+
+  Queries on rows ([bq, bk]) unless ``keys_on_rows`` ([bk, bq]). The key limit and the
+  segments always mask; the causal and window masks only where ``masked`` (a tile that one of
+  their edges crosses).
   """
   rows = qs + jnp.arange(bq)
   cols = ks + jnp.arange(bk)
   if keys_on_rows:
-    s = _dot(k, q, spec, trans_b=True) * spec.qk_scale
-    if bias_tile is not None:
-      s = s + bias_tile.T * LOG2E
-    mask = (cols < kv_limit)[:, None]
-    if causal_mask:
-      mask = mask & (rows[None, :] >= cols[:, None])
-    if q_ids is not None:
-      mask = mask & (k_ids[:, None] == q_ids[None, :])
+    raw = _dot(k, q, spec, trans_b=True)
+    row, col = rows[None, :], cols[:, None]
   else:
-    s = _dot(q, k, spec, trans_b=True) * spec.qk_scale
-    if bias_tile is not None:
-      s = s + bias_tile * LOG2E
-    mask = (cols < kv_limit)[None, :]
-    if causal_mask:
-      mask = mask & (rows[:, None] >= cols[None, :])
-    if q_ids is not None:
+    raw = _dot(q, k, spec, trans_b=True)
+    row, col = rows[:, None], cols[None, :]
+  dcap = None
+  if spec.softcap is None:
+    s = raw * spec.qk_scale
+  else:  # the cap acts on the natural-log scores; they go to base 2 after it
+    t = _tanh(raw * (spec.scale / spec.softcap))
+    s, dcap = t * (spec.softcap * LOG2E), 1.0 - t * t
+  if bias_tile is not None:
+    s = s + (bias_tile.T if keys_on_rows else bias_tile) * LOG2E
+  mask = col < kv_limit
+  if masked:
+    mask = mask & (col <= row + offset)
+    if spec.window is not None:
+      mask = mask & (col > row + offset - spec.window)
+  if q_ids is not None:
+    if keys_on_rows:
+      mask = mask & (k_ids[:, None] == q_ids[None, :])
+    else:
       mask = mask & (q_ids[:, None] == k_ids[None, :])
-  return jnp.where(mask, s, _NEG_INF)
+  return jnp.where(mask, s, _NEG_INF), dcap
 
 
 def _load_bias(bias_ref, spec, qs, ks, bq, bk, head=None):
@@ -289,14 +341,72 @@ def _disjoint(id_range, ids, start, limit):
   return (hi < id_range[0]) | (lo > id_range[1])
 
 
-def _causal_q_tiles(spec, q_tile_start, bq, bk, kv_tiles):
-  """For a query tile: key tiles [0, full) are wholly visible, [full, hi) cross the diagonal."""
-  if not spec.causal:
-    return kv_tiles, kv_tiles
-  last_row = jnp.minimum(q_tile_start + bq, spec.tq)    # exclusive
-  hi = jnp.minimum(kv_tiles, pl.cdiv(last_row, bk))
-  full = jnp.minimum(hi, (q_tile_start + 1) // bk)
-  return full, hi
+# Which tiles a program visits. Query rows r (< q_len) see keys c (< kv_limit) with
+# r + offset - W < c <= r + offset (no lower edge without a window W). A program visits exactly
+# the tiles that hold a visible pair; [lo, a) and [b, hi) are crossed by a mask edge, [a, b) lie
+# wholly inside the masks (rows past q_len and keys past kv_limit do not count: the key limit is
+# always applied and padded rows are never stored). Divisions round down, also below zero; the
+# arithmetic is the XLA path's (`xla._Tiles`) with query and key tiles of different sizes.
+
+
+def _key_tiles(spec, qs, bq, bk, kv_limit, offset):
+  """For the query tile starting at ``qs``: ``(lo, a, b, hi)`` over key tiles of ``bk``. With a
+  window, ``[lo, a)`` is crossed by its lower edge; ``[b, hi)`` by the diagonal."""
+  kv_tiles = pl.cdiv(kv_limit, bk)
+  if spec.causal is None:
+    return 0, 0, kv_tiles, kv_tiles
+  first, last = qs, jnp.minimum(qs + bq, spec.tq) - 1      # the tile's first and last row
+  hi = jnp.clip((last + offset) // bk + 1, 0, kv_tiles)     # past the last row's diagonal
+  # Tiles whose keys the first row sees all (every tile when it sees every valid key).
+  full_hi = jnp.where(kv_limit <= first + offset + 1, kv_tiles, (first + offset + 1) // bk)
+  if spec.window is None:
+    return 0, 0, jnp.clip(full_hi, 0, hi), hi
+  w = spec.window
+  hi = jnp.where(first + offset - w + 1 < kv_limit, hi, 0)  # windows wholly past the keys
+  lo = jnp.clip((first + offset - w + 1) // bk, 0, hi)      # the first row's window start
+  full_lo = -((w - 1 - last - offset) // bk)                # ceil((last + offset - w + 1) / bk)
+  a = jnp.clip(full_lo, lo, hi)
+  return lo, a, jnp.clip(full_hi, a, hi), hi
+
+
+def _query_tiles(spec, ks, bq, bk, kv_limit, offset):
+  """For the key tile starting at ``ks``: ``(lo, a, b, hi)`` over query tiles of ``bq``.
+  ``[lo, a)`` is crossed by the diagonal; with a window, ``[b, hi)`` by its lower edge. A key
+  tile wholly past the key limit gets no gradient: it visits nothing."""
+  nq = pl.cdiv(spec.tq, bq)
+  live = ks < kv_limit
+  if spec.causal is None:
+    hi = jnp.where(live, nq, 0)
+    return 0, 0, hi, hi
+  first, last = ks, jnp.minimum(ks + bk, kv_limit) - 1     # the tile's first and last key
+  live = live & (first - offset < spec.tq)                  # some row reaches the tile
+  lo = jnp.clip((first - offset) // bq, 0, nq)              # the first row that sees ``first``
+  full_lo = -((offset - last) // bq)                        # ceil((last - offset) / bq)
+  if spec.window is None:
+    hi = jnp.where(live, nq, lo)
+    a = jnp.clip(full_lo, lo, hi)
+    return lo, a, hi, hi
+  w = spec.window
+  hi = jnp.clip((last - offset + w - 1) // bq + 1, lo, nq)  # past the last row seeing ``last``
+  hi = jnp.where(live, hi, lo)
+  # Query tiles whose rows all see ``first`` (every tile when the last row does).
+  full_hi = jnp.where(spec.tq <= first - offset + w, nq, (first - offset + w) // bq)
+  a = jnp.clip(full_lo, lo, hi)
+  return lo, a, jnp.clip(full_hi, a, hi), hi
+
+
+def _visit(tiles, step, carry, *, masked_before: bool, masked_after: bool):
+  """Runs ``step(t, carry, masked)`` over ``tiles = (lo, a, b, hi)``: ``[a, b)`` without the
+  causal and window masks, ``[lo, a)`` (if ``masked_before``) and ``[b, hi)`` (if
+  ``masked_after``) with them; a range that is empty by construction is not traced."""
+  lo, a, b, hi = tiles
+  masked = functools.partial(step, masked=True)
+  if masked_before:
+    carry = lax.fori_loop(lo, a, masked, carry)
+  carry = lax.fori_loop(a, b, functools.partial(step, masked=False), carry)
+  if masked_after:
+    carry = lax.fori_loop(b, hi, masked, carry)
+  return carry
 
 
 # Forward ---------------------------------------------------------------------------------------
@@ -306,26 +416,26 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, spec: _Spec, bq: int, bk: int):
   kv_len_ref, q_seg_ref, kv_seg_ref, bias_ref, outs = _optional_refs(spec, refs)
   o_ref, lse_ref = outs if len(outs) == 2 else (outs[0], None)
   i, bi = pl.program_id(0), pl.program_id(2)
-  if spec.causal:  # the longest rows first: better balance at the end of the launch
+  if spec.causal is not None:  # the longest rows first: better balance at the end of the launch
     i = pl.num_programs(0) - 1 - i
   qs = i * bq
   q = _load_rows(q_ref, qs, bq, spec.tq, spec)
   kv_limit = _kv_limit(spec, kv_len_ref, bi)
-  kv_tiles = pl.cdiv(kv_limit, bk)
+  offset = _offset(spec, kv_limit)
   q_ids = q_range = None
   if q_seg_ref is not None:
     q_ids = _load_vec(q_seg_ref, qs, bq, spec.tq, -1)
     q_range = _segment_range(q_ids, qs + jnp.arange(bq) < spec.tq)
 
-  def step(j, carry, causal_mask):
+  def step(j, carry, masked):
     ks = j * bk
 
     def update(carry):
       m, l, acc = carry
       k = _load_rows(k_ref, ks, bk, spec.tk, spec)
       v = _load_rows(v_ref, ks, bk, spec.tk, spec)
-      s = _logits(q, k, spec, qs, ks, bq, bk, kv_limit, q_ids, k_ids,
-                  _load_bias(bias_ref, spec, qs, ks, bq, bk), causal_mask)
+      s, _ = _logits(q, k, spec, qs, ks, bq, bk, kv_limit, offset, q_ids, k_ids,
+                     _load_bias(bias_ref, spec, qs, ks, bq, bk), masked)
       m_new = jnp.maximum(m, jnp.max(s, axis=1))
       m_use = jnp.where(m_new == _NEG_INF, 0.0, m_new)   # rows that saw no key yet
       alpha = jnp.exp2(m - m_use)
@@ -341,10 +451,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, spec: _Spec, bq: int, bk: int):
 
   carry = (jnp.full((bq,), _NEG_INF, jnp.float32), jnp.zeros((bq,), jnp.float32),
            jnp.zeros((bq, spec.dp), jnp.float32))
-  full, hi = _causal_q_tiles(spec, qs, bq, bk, kv_tiles)
-  carry = lax.fori_loop(0, full, functools.partial(step, causal_mask=False), carry)
-  if spec.causal:
-    carry = lax.fori_loop(full, hi, functools.partial(step, causal_mask=True), carry)
+  carry = _visit(_key_tiles(spec, qs, bq, bk, kv_limit, offset), step, carry,
+                 masked_before=spec.window is not None, masked_after=spec.causal is not None)
   m, l, acc = carry
   empty = l == 0.0
   l_safe = jnp.where(empty, 1.0, l)
@@ -355,21 +463,28 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, spec: _Spec, bq: int, bk: int):
 
 
 def _visible_pairs(spec: _Spec) -> int:
-  """(query, key) pairs the causal mask leaves (all of them without it), per head."""
-  if not spec.causal:
+  """(query, key) pairs the causal and window masks leave (all of them without), per head: the
+  kernels' cost hint (with kv_lengths, taken at k's length)."""
+  if spec.causal is None:
     return spec.tq * spec.tk
-  n = min(spec.tq, spec.tk)
-  return n * (n + 1) // 2 + max(0, spec.tq - spec.tk) * spec.tk
+  offset = spec.tk - spec.tq if spec.causal == "bottom_right" else 0
+  last = np.arange(spec.tq) + offset               # each row's last visible key
+  hi = np.clip(last + 1, 0, spec.tk)
+  lo = 0 if spec.window is None else np.clip(last - spec.window + 1, 0, spec.tk)
+  return int(np.sum(np.maximum(hi - lo, 0)))
 
 
-def forward(q, k, v, q_seg, kv_seg, kv_lengths, bias, *, causal: bool, scale: float,
-            blocks: BlockSizes, interpret: bool = False, with_lse: bool = True):
+def forward(q, k, v, q_seg, kv_seg, kv_lengths, bias, *, causal: bool | str | None,
+            scale: float, blocks: BlockSizes, window: int | None = None,
+            softcap: float | None = None, interpret: bool = False, with_lse: bool = True):
   """``(o, lse)``: the attention output and the base-2 row log-sum-exp ``[b, heads, q_len]``.
 
-  Without ``with_lse`` the kernel (``attention_fwd`` instead of ``attention_fwd_res``) writes
-  ``o`` only and ``lse`` is None: the primal pass under ``jax.checkpoint`` needs no residuals.
+  ``causal`` is False/None, True/``"top_left"`` or ``"bottom_right"``; ``window`` (with a
+  causal mask) and ``softcap`` as in :func:`jaxfuse.ops.attention`. Without ``with_lse`` the
+  kernel (``attention_fwd`` instead of ``attention_fwd_res``) writes ``o`` only and ``lse`` is
+  None: the primal pass under ``jax.checkpoint`` needs no residuals.
   """
-  spec = _spec(q, k, bias, kv_lengths, q_seg, scale, causal)
+  spec = _spec(q, k, bias, kv_lengths, q_seg, scale, causal, window, softcap)
   bq, bk = blocks.block_q, blocks.block_k
   g = spec.g
   slab_q = pl.BlockSpec((None, spec.tq, None, spec.d), lambda i, h, bi: (bi, 0, h, 0))
@@ -412,7 +527,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, *refs, spec: _Spec, bq: int, bk: int):
   kv_len_ref, q_seg_ref, kv_seg_ref, bias_ref, (do_ref, lse_ref, delta_ref, dq_ref) = (
       _optional_refs(spec, refs))
   i, bi = pl.program_id(0), pl.program_id(2)
-  if spec.causal:
+  if spec.causal is not None:
     i = pl.num_programs(0) - 1 - i
   qs = i * bq
   q = _load_rows(q_ref, qs, bq, spec.tq, spec)
@@ -420,22 +535,24 @@ def _dq_kernel(q_ref, k_ref, v_ref, *refs, spec: _Spec, bq: int, bk: int):
   lse = _load_vec(lse_ref, qs, bq, spec.tq, _INF)
   delta = _load_vec(delta_ref, qs, bq, spec.tq, 0.0)
   kv_limit = _kv_limit(spec, kv_len_ref, bi)
-  kv_tiles = pl.cdiv(kv_limit, bk)
+  offset = _offset(spec, kv_limit)
   q_ids = q_range = None
   if q_seg_ref is not None:
     q_ids = _load_vec(q_seg_ref, qs, bq, spec.tq, -1)
     q_range = _segment_range(q_ids, qs + jnp.arange(bq) < spec.tq)
 
-  def step(j, dq, causal_mask):
+  def step(j, dq, masked):
     ks = j * bk
 
     def update(dq):
       k = _load_rows(k_ref, ks, bk, spec.tk, spec)
       v = _load_rows(v_ref, ks, bk, spec.tk, spec)
-      s = _logits(q, k, spec, qs, ks, bq, bk, kv_limit, q_ids, k_ids,
-                  _load_bias(bias_ref, spec, qs, ks, bq, bk), causal_mask)
+      s, dcap = _logits(q, k, spec, qs, ks, bq, bk, kv_limit, offset, q_ids, k_ids,
+                        _load_bias(bias_ref, spec, qs, ks, bq, bk), masked)
       p = jnp.exp2(s - lse[:, None])
       ds = p * (_dot(do, v, spec, trans_b=True) - delta[:, None])
+      if dcap is not None:  # through the soft-cap
+        ds = ds * dcap
       return dq + _dot(ds.astype(k.dtype), k, spec)
 
     k_ids = None
@@ -445,10 +562,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, *refs, spec: _Spec, bq: int, bk: int):
     return update(dq)
 
   dq = jnp.zeros((bq, spec.dp), jnp.float32)
-  full, hi = _causal_q_tiles(spec, qs, bq, bk, kv_tiles)
-  dq = lax.fori_loop(0, full, functools.partial(step, causal_mask=False), dq)
-  if spec.causal:
-    dq = lax.fori_loop(full, hi, functools.partial(step, causal_mask=True), dq)
+  dq = _visit(_key_tiles(spec, qs, bq, bk, kv_limit, offset), step, dq,
+              masked_before=spec.window is not None, masked_after=spec.causal is not None)
   _store_rows(dq_ref, qs, dq * spec.scale, spec.tq, spec)
 
 
@@ -460,15 +575,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, *refs, spec: _Spec, bq: int, bk: int):
   k = _load_rows(k_ref, ks, bk, spec.tk, spec)
   v = _load_rows(v_ref, ks, bk, spec.tk, spec)
   kv_limit = _kv_limit(spec, kv_len_ref, bi)
-  nq = pl.cdiv(spec.tq, bq)
-  if spec.causal:
-    lo = jnp.minimum(ks // bq, nq)                   # first query tile with a row >= ks
-    mid = jnp.clip(pl.cdiv(ks + bk - 1, bq), lo, nq)  # tiles from here on see all of them
-  else:
-    lo = mid = 0
-  live = ks < kv_limit                                # keys past kv_lengths get no gradient
-  hi = jnp.where(live, nq, lo)
-  mid = jnp.minimum(mid, hi)
+  offset = _offset(spec, kv_limit)
+  tiles = _query_tiles(spec, ks, bq, bk, kv_limit, offset)
   k_ids = k_range = None
   if kv_seg_ref is not None:
     k_ids = _load_vec(kv_seg_ref, ks, bk, spec.tk, -2)
@@ -476,7 +584,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, *refs, spec: _Spec, bq: int, bk: int):
   hb = spec.bias_shape[1] if spec.bias_shape is not None else 0
 
   def head(gi, carry):
-    def step(i, carry, causal_mask):
+    def step(i, carry, masked):
       qs = i * bq
 
       def update(carry):
@@ -486,11 +594,13 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, *refs, spec: _Spec, bq: int, bk: int):
         lse = _load_vec(lse_ref, qs, bq, spec.tq, _INF, head=gi)
         delta = _load_vec(delta_ref, qs, bq, spec.tq, 0.0, head=gi)
         bias_tile = _load_bias(bias_ref, spec, qs, ks, bq, bk, head=gi if hb > 1 else None)
-        st = _logits(q, k, spec, qs, ks, bq, bk, kv_limit, q_ids, k_ids, bias_tile,
-                     causal_mask, keys_on_rows=True)
+        st, dcap = _logits(q, k, spec, qs, ks, bq, bk, kv_limit, offset, q_ids, k_ids,
+                           bias_tile, masked, keys_on_rows=True)
         pt = jnp.exp2(st - lse[None, :])
         dv = dv + _dot(pt.astype(do.dtype), do, spec)
         dst = pt * (_dot(v, do, spec, trans_b=True) - delta[None, :])
+        if dcap is not None:  # through the soft-cap
+          dst = dst * dcap
         dk = dk + _dot(dst.astype(q.dtype), q, spec)
         return dk, dv
 
@@ -500,8 +610,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, *refs, spec: _Spec, bq: int, bk: int):
         return lax.cond(_disjoint(k_range, q_ids, qs, spec.tq), lambda c: c, update, carry)
       return update(carry)
 
-    carry = lax.fori_loop(lo, mid, functools.partial(step, causal_mask=spec.causal), carry)
-    return lax.fori_loop(mid, hi, functools.partial(step, causal_mask=False), carry)
+    return _visit(tiles, step, carry, masked_before=spec.causal is not None,
+                  masked_after=spec.window is not None)
 
   zeros = jnp.zeros((bk, spec.dp), jnp.float32)
   dk, dv = lax.fori_loop(0, spec.g, head, (zeros, zeros))
@@ -525,9 +635,11 @@ def _dbias_kernel(q_ref, k_ref, v_ref, *refs, spec: _Spec, bq: int, bk: int):
   if q_seg_ref is not None:
     q_ids = _load_vec(q_seg_ref, qs, bq, spec.tq, -1)
     k_ids = _load_vec(kv_seg_ref, ks, bk, spec.tk, -2)
-  s = _logits(q, k, spec, qs, ks, bq, bk, _kv_limit(spec, kv_len_ref, bi), q_ids, k_ids,
-              _load_bias(bias_ref, spec, qs, ks, bq, bk), spec.causal)
+  kv_limit = _kv_limit(spec, kv_len_ref, bi)
+  s, _ = _logits(q, k, spec, qs, ks, bq, bk, kv_limit, _offset(spec, kv_limit), q_ids, k_ids,
+                 _load_bias(bias_ref, spec, qs, ks, bq, bk), spec.causal is not None)
   p = jnp.exp2(s - lse[:, None])
+  # The gradient of the biased scores: the bias is added after the soft-cap.
   ds = p * (_dot(do, v, spec, trans_b=True) - delta[:, None])
   rows = qs + jnp.arange(bq)
   cols = ks + jnp.arange(bk)
@@ -535,10 +647,13 @@ def _dbias_kernel(q_ref, k_ref, v_ref, *refs, spec: _Spec, bq: int, bk: int):
   pl_triton.store(ds_ref.at[pl.ds(qs, bq), pl.ds(ks, bk)], ds.astype(ds_ref.dtype), mask=mask)
 
 
-def backward(q, k, v, q_seg, kv_seg, kv_lengths, bias, o, lse, do, *, causal: bool,
-             scale: float, blocks: BlockSizes, interpret: bool = False):
-  """``(dq, dk, dv, dbias)`` from the residuals; ``dbias`` is None without a bias."""
-  spec = _spec(q, k, bias, kv_lengths, q_seg, scale, causal)
+def backward(q, k, v, q_seg, kv_seg, kv_lengths, bias, o, lse, do, *,
+             causal: bool | str | None, scale: float, blocks: BlockSizes,
+             window: int | None = None, softcap: float | None = None,
+             interpret: bool = False):
+  """``(dq, dk, dv, dbias)`` from the residuals; ``dbias`` is None without a bias. The masks
+  and ``softcap`` as in :func:`forward`."""
+  spec = _spec(q, k, bias, kv_lengths, q_seg, scale, causal, window, softcap)
   g = spec.g
   delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1).transpose(0, 2, 1)
   pairs = _visible_pairs(spec) * spec.b * spec.hq

@@ -150,12 +150,9 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool | str = 
 # Forward and backward ---------------------------------------------------------------------------
 
 
-def _pallas_causal(cfg):
-  if cfg.causal == "bottom_right" or cfg.sliding_window is not None or cfg.softcap is not None:
-    raise NotImplementedError("attention: implementation='pallas' does not take "
-                              "causal='bottom_right', sliding_window or logit_softcap yet; use "
-                              "implementation='xla'")
-  return cfg.causal is not None
+def _pallas_masks(cfg):
+  """The Pallas kernels' mask and soft-cap arguments."""
+  return dict(causal=cfg.causal, window=cfg.sliding_window, softcap=cfg.softcap)
 
 #
 # Every implementation's kernels are differentiated (for second order only) as the reference:
@@ -180,7 +177,7 @@ def _forward(q, k, v, q_seg, kv_seg, kv_lengths, bias, cfg, with_lse=True):
                            window=cfg.sliding_window, softcap=cfg.softcap,
                            base2=cfg.impl == "pallas")
   if cfg.impl == "pallas":
-    kernel = functools.partial(pallas_attention.forward, causal=_pallas_causal(cfg),
+    kernel = functools.partial(pallas_attention.forward, **_pallas_masks(cfg),
                                scale=cfg.scale, blocks=cfg.blocks, interpret=cfg.interpret)
     if not with_lse:
       output_only = functools.partial(kernel, with_lse=False)
@@ -193,7 +190,7 @@ def _forward(q, k, v, q_seg, kv_seg, kv_lengths, bias, cfg, with_lse=True):
 
 def _backward(q, k, v, q_seg, kv_seg, kv_lengths, bias, o, lse, do, cfg):
   if cfg.impl == "pallas":
-    kernel = functools.partial(pallas_attention.backward, causal=_pallas_causal(cfg),
+    kernel = functools.partial(pallas_attention.backward, **_pallas_masks(cfg),
                                scale=cfg.scale, blocks=cfg.blocks, interpret=cfg.interpret)
   else:
     kernel = functools.partial(xla.backward, cfg=cfg)
