@@ -117,7 +117,9 @@ def autotune(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
   results = []
   errors = []
   for sizes in candidates:
-    cfg = attention_op.Config(impl="pallas", interpret=interpret, causal=causal, scale=scale,
+    cfg = attention_op.Config(impl="pallas", interpret=interpret,
+                              causal=arguments.causal_alignment("attention.autotune", causal),
+                              scale=scale,
                               blocks=sizes.clipped(q.shape[1], k.shape[1]), xla_block=0)
 
     def loss(q, k, v, cfg=cfg):
@@ -135,7 +137,8 @@ def autotune(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
   if not results:
     raise RuntimeError("attention.autotune: no candidate ran:\n" + "\n".join(errors[:5]))
   best = min(results, key=lambda r: r[0])[1]
-  key = _tuning_key(q.shape, k.shape, q.dtype, causal, bias is not None)
+  key = _tuning_key(q.shape, k.shape, q.dtype, causal is not False and causal is not None,
+                    bias is not None)
   _AUTOTUNE_CACHE[key] = best
   if cache_path:
     _save_choice(cache_path, key, best)
