@@ -32,6 +32,7 @@ SUITES = {
     "xent": "benchmarks.suites.xent",
     "layouts": "benchmarks.suites.layouts",
     "train": "benchmarks.suites.train",
+    "kernels": "benchmarks.suites.kernels",
 }
 # Options that say where tables go, left out of the command a table says it was written by.
 _OUTPUT_OPTIONS = ("--readme", "--headline")
@@ -82,10 +83,13 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--runs", type=int, default=None, help="timed runs per candidate")
   parser.add_argument("--system-env", action="store_true",
                       help="run without the process settings of benchmarks/__main__.py")
+  parser.add_argument("--arch", choices=("sm_90a", "sm_80"), default=None,
+                      help="GPU target the kernels suite compiles for (default sm_90a)")
   args = parser.parse_args(argv)
 
   suite = importlib.import_module(SUITES[args.suite])
   ctx = Context(suite=args.suite, quick=args.quick, runs=args.runs)
+  ctx.arch = args.arch
   if args.from_json:
     records = rec.read_json(args.from_json)
     title = f"{args.suite} (from {args.from_json})"

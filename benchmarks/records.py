@@ -44,6 +44,13 @@ class Record:
     temp_bytes: XLA's compiled temp memory of the step.
     flops: FLOPs of one step, recomputation included.
     peak_bytes: peak device memory, where it can be attributed to this row.
+    arch: the GPU target a kernel was compiled for (``sm_90a``), kernel-resource rows.
+    regs: registers per thread of the compiled kernel.
+    spill_bytes: bytes of registers spilled per thread, stores + loads.
+    stack_bytes: the kernel's stack frame per thread.
+    smem_bytes: shared memory per block, dynamic + static.
+    occupancy: resident blocks per SM that the kernel's registers, shared memory and threads
+      allow on ``arch``.
     max_abs_err: largest output error against ``reference``.
     max_grad_err: largest gradient error (inputs and parameters) against ``reference``.
     reference: what the errors are taken against.
@@ -65,6 +72,12 @@ class Record:
   temp_bytes: int | None = None
   flops: float | None = None
   peak_bytes: int | None = None
+  arch: str | None = None
+  regs: int | None = None
+  spill_bytes: int | None = None
+  stack_bytes: int | None = None
+  smem_bytes: int | None = None
+  occupancy: int | None = None
   max_abs_err: float | None = None
   max_grad_err: float | None = None
   reference: str | None = None
@@ -225,11 +238,24 @@ CELLS: dict[str, Callable[[Record], str]] = {
     "XLA bytes": lambda r: format_bytes(r.xla_bytes_accessed),
     "max err": lambda r: format_err(r.max_abs_err),
     "max grad err": lambda r: format_err(r.max_grad_err),
+    "arch": lambda r: r.arch or "—",
+    "regs": lambda r: "—" if r.regs is None else str(r.regs),
+    "spill": lambda r: format_bytes(r.spill_bytes),
+    "stack": lambda r: format_bytes(r.stack_bytes),
+    "smem": lambda r: format_bytes(r.smem_bytes),
+    "blocks/SM": lambda r: "—" if r.occupancy is None else str(r.occupancy),
+    "note": lambda r: r.note or "—",
 }
 COLUMNS = ("case", "impl", "dtype", "time ms (min–max)", "ratio", "residual", "bytes moved",
            "XLA bytes", "max err", "max grad err")
 HEADLINE_COLUMNS = ("case", "impl", "dtype", "median ms", "ratio", "residual", "bytes moved",
                     "max grad err")
+# Suites whose figures are not times and bytes: their (full, headline) columns instead.
+SUITE_COLUMNS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "kernels": (("case", "impl", "dtype", "arch", "regs", "spill", "stack", "smem", "blocks/SM",
+                 "note"),
+                ("case", "impl", "dtype", "arch", "regs", "spill", "smem", "blocks/SM", "note")),
+}
 
 
 def row(r: Record, columns: Sequence[str] = COLUMNS) -> list[str]:
@@ -278,7 +304,13 @@ def _baselines(records: Sequence[Record]) -> list[str]:
 
 def table_columns(records: Sequence[Record], columns: Sequence[str]) -> list[str]:
   """``columns`` for these records: with ``ratio to`` after ``ratio`` where rows are compared
-  with different impls, and without ``dtype`` where every row has the same."""
+  with different impls, and without ``dtype`` where every row has the same. A suite of
+  :data:`SUITE_COLUMNS` gets its own columns in place of :data:`COLUMNS` and
+  :data:`HEADLINE_COLUMNS`."""
+  suites = {r.suite for r in records}
+  if len(suites) == 1 and (suite := suites.pop()) in SUITE_COLUMNS:
+    full, short = SUITE_COLUMNS[suite]
+    columns = {tuple(COLUMNS): full, tuple(HEADLINE_COLUMNS): short}.get(tuple(columns), columns)
   out = list(columns)
   if len(_baselines(records)) > 1 and "ratio" in out and "ratio to" not in out:
     out.insert(out.index("ratio") + 1, "ratio to")
@@ -298,6 +330,8 @@ def _summary(records: Sequence[Record], origin: str) -> str:
     text += (" Ratios are to the `ratio to` row of the same case, timed interleaved "
              "(which one and why: `sources`).")
   references = list(dict.fromkeys(r.reference for r in records if r.reference))
+  if not references and all(r.max_abs_err is None and r.max_grad_err is None for r in records):
+    return text  # nothing is compared with a reference (kernel resources)
   return text + f" Errors are against {', '.join(references) or 'nothing'}."
 
 

@@ -50,3 +50,28 @@ def test_torch_residual_bytes_without_torch_says_what_to_install(monkeypatch):
   monkeypatch.setitem(sys.modules, "torch", None)   # makes `import torch` raise ImportError
   with pytest.raises(ImportError, match=r"needs PyTorch.*jaxfuse\[test\]"):
     metrics.torch_residual_bytes(lambda: None)
+
+
+def test_gpu_order_moves_to_triton_where_pallas_triton_is_deprecated(monkeypatch):
+  from jaxfuse.ops import base, dispatch
+
+  kernels_first = base.Op("k", ("pallas", "triton", "xla"), base.KERNEL_GPU_ORDER)
+  no_triton = base.Op("n", ("pallas", "xla"), base.KERNEL_GPU_ORDER)
+  elementwise = base.Op("e", ("pallas", "triton", "xla"), base.ELEMENTWISE_GPU_ORDER)
+  monkeypatch.setattr(dispatch, "pallas_triton_current", lambda: True)
+  assert kernels_first.preference["gpu"] == ("pallas", "triton", "xla")
+  assert elementwise.preference["gpu"] == ("xla", "pallas", "triton")
+  monkeypatch.setattr(dispatch, "pallas_triton_current", lambda: False)
+  assert kernels_first.preference["gpu"] == ("triton", "xla")
+  assert no_triton.preference["gpu"] == ("xla",)
+  assert elementwise.preference["gpu"] == ("xla", "triton")
+  assert kernels_first.preference["cpu"] == ("xla",)
+
+
+@pytest.mark.parametrize("version,current", [("0.10.2", True), ("0.11.0", False),
+                                             ("0.11.2", False), ("1.0.0", False)])
+def test_pallas_triton_is_current_before_jax_0_11(monkeypatch, version, current):
+  from jaxfuse.ops import dispatch
+
+  monkeypatch.setattr(jax, "__version__", version)
+  assert dispatch.pallas_triton_current.__wrapped__() is current

@@ -40,6 +40,9 @@ from jaxfuse.ops import dispatch
 # - ops whose fused form XLA cannot produce (a row reduction and its use in one pass, tiled
 #   attention, logits that never reach memory): their kernels first;
 # - matmuls: XLA (cuBLAS).
+# Where the installed jax has deprecated Pallas' Triton backend (0.11 and later) or lacks it, the
+# jax-triton kernels take Pallas' place in each order (the same math: both pass the same twin
+# tests); an op without a Triton kernel then falls to XLA.
 ELEMENTWISE_GPU_ORDER = ("xla", "pallas", "triton")
 KERNEL_GPU_ORDER = ("pallas", "triton", "xla")
 MATMUL_GPU_ORDER = ("xla", "pallas")
@@ -69,8 +72,13 @@ class Op:
 
   @property
   def preference(self) -> Mapping[str, Sequence[str]]:
-    order = tuple(i for i in self.gpu_order if i in self.implementations)
-    return {"gpu": order, "cpu": ("xla",), "tpu": ("xla",)}
+    order = [i for i in self.gpu_order if i in self.implementations]
+    if not dispatch.pallas_triton_current() and "pallas" in order:
+      order.remove("pallas")
+      if "triton" in order:   # the Triton kernels take Pallas' place
+        order.remove("triton")
+        order.insert(list(self.gpu_order).index("pallas"), "triton")
+    return {"gpu": tuple(order), "cpu": ("xla",), "tpu": ("xla",)}
 
   def resolve(self, implementation: str | None) -> str:
     """The implementation this op runs with (see :func:`dispatch.resolve` for the errors)."""

@@ -94,6 +94,23 @@ def jax_triton_importable() -> bool:
   return True
 
 
+# JAX 0.11.0 deprecated Pallas' Triton backend ("migrate to the Mosaic GPU backend ... or switch
+# to the official Triton bindings and jax_triton").
+PALLAS_TRITON_DEPRECATED_IN = (0, 11, 0)
+
+
+@functools.cache
+def pallas_triton_current() -> bool:
+  """Whether the installed jax has Pallas' Triton backend and has not deprecated it (jax older
+  than 0.11.0). Where it has, ``implementation=None`` prefers the jax-triton kernels on GPUs."""
+  try:
+    from jax.experimental.pallas import triton  # noqa: F401
+  except Exception:  # noqa: BLE001 - gone or broken: not current either way
+    return False
+  version = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
+  return version < PALLAS_TRITON_DEPRECATED_IN
+
+
 def runs_natively(implementation: str) -> bool:
   """Whether ``implementation`` compiles for the current platform (interpret mode aside)."""
   if implementation == "xla":
