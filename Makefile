@@ -31,6 +31,7 @@ bench-tables: $(STAMP)
 	$(PY) -m benchmarks norm --from-json benchmarks/results/norm-cpu.json $(TABLES)
 	$(PY) -m benchmarks attention --from-json benchmarks/results/attention-cpu-quick.json $(TABLES)
 	$(PY) -m benchmarks xent --from-json benchmarks/results/xent-cpu-quick.json $(TABLES)
+	$(PY) -m benchmarks train --from-json benchmarks/results/train-cpu-quick.json $(TABLES)
 
 bench-quick: $(STAMP) $(VENV)/.compare
 	$(PY) -m benchmarks seed --quick

@@ -43,6 +43,7 @@ class Record:
     xla_bytes_accessed: XLA's compiled cost analysis of the step (never in ``bytes_moved``).
     temp_bytes: XLA's compiled temp memory of the step.
     flops: FLOPs of one step, recomputation included.
+    final_loss: a training suite's loss (which step's: ``sources``).
     peak_bytes: peak device memory, where it can be attributed to this row.
     arch: the GPU target a kernel was compiled for (``sm_90a``), kernel-resource rows.
     regs: registers per thread of the compiled kernel.
@@ -71,6 +72,7 @@ class Record:
   xla_bytes_accessed: int | None = None
   temp_bytes: int | None = None
   flops: float | None = None
+  final_loss: float | None = None
   peak_bytes: int | None = None
   arch: str | None = None
   regs: int | None = None

@@ -25,7 +25,7 @@ STEP0_RTOL = 1e-5
 # XLA:CPU spends most of this file compiling; the optimization level changes how fast the step
 # runs, not what it computes.
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-FIGURES = ("time_ms", "ratio", "residual_bytes", "temp_bytes", "max_abs_err", "note")
+FIGURES = ("time_ms", "ratio", "residual_bytes", "temp_bytes", "max_abs_err", "final_loss", "note")
 
 
 class FixedTimes(Context):

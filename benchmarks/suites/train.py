@@ -33,12 +33,13 @@ Step ``i`` reads batch ``i`` (modulo ``CURVE_STEPS``) in every row.
 
 Figures: ``time_ms`` and ``ratio`` (to ``jax-unfused``; the ratio to ``torch-eager`` and the
 tokens per second are in the note); ``residual_bytes`` (JAX: the ``jax.vjp`` residuals of the
-loss with respect to the parameters; torch eager: the tensors autograd saves);
+loss with respect to the parameters; torch: the tensors autograd saves, compiled graphs
+included, null with a note where the hooks see none);
 ``temp_bytes`` (XLA's compiled temp memory of the whole step); ``max_abs_err``: the step-0
 loss against the Hugging Face model run in float64 on the same weights and batch (its loss
 taken in float64 from its hidden states: ``transformers`` upcasts logits to float32 for its
-own loss). The record has no loss field: the note gives the step-0 loss, its relative
-difference to the float64 reference, and the loss of every step of the curve, which
+own loss); ``final_loss``: the step-0 loss itself. The note gives the step-0 loss's relative
+difference to the float64 reference and the loss of every step of the curve, which
 :func:`plot` draws.
 """
 
@@ -360,6 +361,7 @@ def case_records(ctx, shape: Shape, *, impls: Sequence[str] = IMPLS,
     if trainer is not None:
       losses = trainer.loss_values()
       r.set("max_abs_err", abs(losses[0] - reference), STEP0_SOURCE)
+      r.set("final_loss", losses[0], "the step-0 loss (before any update), float32")
       r.reference = REFERENCE
       median = (times.get(name) or {}).get("median")
       if median:
@@ -431,6 +433,7 @@ def plot(records: Sequence[Record], path: str) -> None:
 
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+  from matplotlib import ticker
 
   cases = list(dict.fromkeys(r.case for r in records))
   impls = list(dict.fromkeys(r.impl for r in records))
@@ -484,10 +487,13 @@ def plot(records: Sequence[Record], path: str) -> None:
           bar_ax.annotate("n/a", (x, 0.02), xycoords=("data", "axes fraction"), ha="center",
                           va="bottom", fontsize=8)
         else:
-          bar_ax.annotate(f"{value:.3g}", (x, value), ha="center", va="bottom", fontsize=8,
+          text = f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
+          bar_ax.annotate(text, (x, value), ha="center", va="bottom", fontsize=8,
                           xytext=(0, 2), textcoords="offset points")
     if field == "residual":
       bar_ax.set_yscale("log")
+      bar_ax.yaxis.set_major_formatter(ticker.LogFormatter())
+      bar_ax.yaxis.set_minor_formatter(ticker.LogFormatter(labelOnlyBase=False))
     bar_ax.set_xticks(np.arange(len(impls)))
     bar_ax.set_xticklabels(impls, fontsize=8)
     bar_ax.set_ylabel(label, fontsize=9)

@@ -184,12 +184,18 @@ class Decoder(nnx.Module):
     fused: jaxfuse's fused ops (True) or plain flax/jax parts (False), on the same parameters.
     remat: recompute each block in the backward pass (``"block"``: keep only its input) or
       nothing (None).
+    grad_in_forward: the fused head computes its gradients with the loss (three
+      ``tokens x d_model x V`` matmuls, as the plain loss, and keeps ``dW`` and ``dh``), or, with
+      False, recomputes the logits in the backward (four matmuls, keeps 4 bytes a token); see
+      :func:`jaxfuse.ops.linear_cross_entropy`. A training step needs the gradient right after
+      the loss, so the default is the faster one.
     implementation: passed to every jaxfuse op (None: the fastest here).
     rngs: for the initializers.
   """
 
   def __init__(self, cfg: DecoderConfig, *, fused: bool = True, remat: str | None = None,
-               implementation: str | None = None, rngs: nnx.Rngs):
+               grad_in_forward: bool = True, implementation: str | None = None,
+               rngs: nnx.Rngs):
     if remat not in (None, "block"):
       raise ValueError(f"Decoder: remat must be None or 'block', got {remat!r}")
     self.cfg = cfg
@@ -205,7 +211,7 @@ class Decoder(nnx.Module):
         cfg.d_model, cfg.vocab_size, tie_to=self.embed_tokens if cfg.tie_embeddings else None,
         dtype=cfg.dtype, param_dtype=cfg.param_dtype, ignore_index=IGNORE_INDEX,
         kernel_init=nnx.initializers.normal(cfg.initializer_range),
-        implementation=implementation, rngs=rngs)
+        grad_in_forward=grad_in_forward, implementation=implementation, rngs=rngs)
 
   # Training -----------------------------------------------------------------------------------
 
