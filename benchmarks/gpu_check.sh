@@ -2,7 +2,12 @@
 # One command for a GPU machine (no network): install offline, run the tests with compiled
 # kernels, then the benchmark suites with real kernels. Everything lands under $OUT.
 #
-#   bash benchmarks/gpu_check.sh [tests|bench|all] [suite ...]
+#   bash benchmarks/gpu_check.sh [tests|bench|kernels|all] [suite ...]
+#
+# `kernels` runs a few Pallas kernels with XLA_FLAGS=--xla_dump_to=$OUT/xla_dump and compares
+# the registers, spills and shared memory of the kernels XLA compiled (ptxas -v of its dumped
+# PTX) with what `python -m benchmarks kernels` reports without a GPU
+# (benchmarks/xla_kernel_check.py; figures in $OUT/kernel_check.json).
 #
 # jax-triton is not on the GPU machine: to test the Triton implementations, carry its wheel in
 # .wheels/ (pip download jax-triton==0.3.1 --no-deps -d .wheels). Without it the Triton rows
@@ -41,6 +46,10 @@ if [[ $STAGE == bench || $STAGE == all ]]; then
       --plot "$OUT/$suite-gpu.png" > "$OUT/$suite.log" 2>&1 || status=1
     tail -n 40 "$OUT/$suite.log"
   done
+fi
+if [[ $STAGE == kernels || $STAGE == all ]]; then
+  timeout 420 $PY -m benchmarks.xla_kernel_check "$OUT" > "$OUT/kernel_check.log" 2>&1 || status=1
+  tail -n 40 "$OUT/kernel_check.log"
 fi
 echo "gpu_check: status $status, results in $OUT"
 exit $status

@@ -425,8 +425,9 @@ def test_errors_name_the_argument():
     ops.rms_norm(x, s, eps=-1)
   with pytest.raises(ValueError, match=r"implementation must be None or one of.*'cuda'"):
     ops.rms_norm(x, s, implementation="cuda")
-  with pytest.raises(ValueError, match=r"layer_norm: implementation='triton' is not provided"):
-    ops.layer_norm(x, s, implementation="triton")
+  with pytest.raises(ValueError, match=r"add_rms_norm_unfused: implementation='triton' is not "
+                                       r"provided"):
+    ops.add_rms_norm_unfused(x, x, s, implementation="triton")
 
 
 @pytest.mark.skipif(helpers.ON_GPU, reason="checks the CPU error")
@@ -434,8 +435,11 @@ def test_kernels_need_a_gpu_or_interpret_mode():
   x = jnp.ones((2, 8))
   with pytest.raises(jaxfuse.ImplementationUnavailableError, match=r"Available here: \['xla'\]"):
     ops.add_layer_norm(x, x, implementation="pallas")
+  for op in (ops.layer_norm, ops.rms_norm):
+    with pytest.raises(jaxfuse.ImplementationUnavailableError, match="Triton kernels need a GPU"):
+      op(x, implementation="triton")
   with pytest.raises(jaxfuse.ImplementationUnavailableError, match="Triton kernels need a GPU"):
-    ops.rms_norm(x, implementation="triton")
+    ops.add_layer_norm(x, x, implementation="triton")
 
 
 def test_pallas_rejects_rows_longer_than_its_chunks_allow(pallas_mode):

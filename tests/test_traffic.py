@@ -660,3 +660,124 @@ def test_triton_rms_norm_kernels(with_scale):
   bwd = (with_scale * programs * hidden * 4 + 2 * size + rows * 4,
          size + with_scale * programs * hidden * 4)
   assert [(c.reads, c.writes) for c in counted.launches] == [fwd, bwd]
+
+
+@functools.cache
+def _more_triton_kernels():
+  pytest.importorskip("triton")
+  from jaxfuse.kernels.triton import bias_activation, linear, softmax
+  return softmax, bias_activation, linear
+
+
+@triton_only
+@pytest.mark.parametrize("chunk", [512, 128], ids=["one chunk", "3 chunks"])
+@pytest.mark.parametrize("masked", [False, True], ids=["plain", "masked"])
+def test_triton_softmax_kernels(chunk, masked):
+  import torch
+  kernels, _, _ = _more_triton_kernels()
+  rows, n = 5, 300  # 8-row tiles (3 rows past the end) and a column tail
+  block_r, block_n, n_chunks = kernels.plan(rows, n, max_chunk=chunk)
+  grid = kernels.grid_for(rows, block_r)
+  meta = dict(ROWS=rows, N=n, SCALE=0.5, BLOCK_R=block_r, BLOCK_N=block_n, N_CHUNKS=n_chunks)
+  x, y, dx = torch.ones(rows, n), torch.empty(rows, n), torch.empty(rows, n)
+  mask = torch.ones(rows, n, dtype=torch.int8)
+  with metrics.triton_traffic.counting() as counted:
+    kernels.softmax_fwd_kernel[grid](x, mask, y, HAS_MASK=masked, **meta)
+    kernels.softmax_bwd_kernel[grid](x, x, dx, **meta)
+  size, passes = rows * n * 4, 1 if n_chunks == 1 else 2
+  # Forward: x (and the int8 mask) once a pass, the output once. Backward: y and g once a pass.
+  fwd = (passes * (size + masked * rows * n), size)
+  bwd = (passes * 2 * size, size)
+  assert [(c.reads, c.writes) for c in counted.launches] == [fwd, bwd]
+
+
+@triton_only
+def test_triton_bias_act_kernels():
+  import torch
+  _, kernels, _ = _more_triton_kernels()
+  rows, n = 37, 700  # 8 x 512 tiles: tails on both axes
+  block_r, block_c = kernels.blocks_for(rows, n)
+  _, _, steps, groups, col_blocks = kernels.backward_plan(rows, n, target_programs=4)
+  row_blocks = cdiv(rows, block_r)
+  x, y, dx = torch.ones(rows, n), torch.empty(rows, n), torch.empty(rows, n)
+  b, partials = torch.ones(n), torch.empty(groups, n)
+  with metrics.triton_traffic.counting() as counted:
+    kernels.bias_act_fwd_kernel[kernels.forward_grid(rows, n)](
+        x, b, y, ROWS=rows, N=n, BLOCK_R=block_r, BLOCK_C=block_c, ACT="gelu")
+    kernels.bias_act_bwd_kernel[(groups, col_blocks)](
+        x, b, x, dx, partials, ROWS=rows, N=n, BLOCK_R=block_r, BLOCK_C=block_c, STEPS=steps,
+        ACT="gelu")
+  size = rows * n * 4
+  # Forward: x, and the bias once a row block. Backward: the bias once a row group, x and g;
+  # dx and a float32 row of bias-gradient partials a group.
+  fwd = (size + row_blocks * n * 4, size)
+  bwd = (groups * n * 4 + 2 * size, size + groups * n * 4)
+  assert (steps, groups) == (3, 2)
+  assert [(c.reads, c.writes) for c in counted.launches] == [fwd, bwd]
+
+
+@triton_only
+@pytest.mark.parametrize("centered, residual, scale, bias", [
+    (True, False, True, True), (True, True, True, True), (False, True, True, False),
+    (True, True, False, False)], ids=["layer_norm", "add_layer_norm", "add_rms_norm",
+                                      "add_layer_norm plain"])
+def test_triton_norm_kernels(centered, residual, scale, bias):
+  import torch
+  _, _, kernels = _triton_kernels()
+  rows, hidden, item = 5, 1000, 2  # bfloat16 rows, float32 statistics and partials
+  block = kernels.block_for(hidden)
+  programs, per_program = 3, 2  # the last program's second row is past the end
+  x = torch.ones(rows, hidden, dtype=torch.bfloat16)
+  p = torch.ones(hidden, dtype=torch.bfloat16)
+  y, z, dx = torch.empty_like(x), torch.ones_like(x), torch.empty_like(x)
+  mean, rstd = torch.empty(rows, 1), torch.empty(rows, 1)
+  dw, db = torch.empty(programs, hidden), torch.empty(programs, hidden)
+  with metrics.triton_traffic.counting() as counted:
+    kernels.norm_fwd_kernel[(rows,)](x, x, p, p, y, z, mean, rstd, H=hidden, eps=1e-5,
+                                     BLOCK_H=block, CENTERED=centered, HAS_RESIDUAL=residual,
+                                     HAS_SCALE=scale, HAS_BIAS=bias, STORE_STATS=True)
+    kernels.norm_bwd_kernel[(programs,)](z, x, x, p, mean, rstd, dx, dw, db, R=rows, H=hidden,
+                                         ROWS_PER_PROGRAM=per_program, BLOCK_H=block,
+                                         CENTERED=centered, HAS_SUM_GRAD=residual,
+                                         HAS_SCALE=scale, HAS_BIAS=bias)
+  size = rows * hidden * item
+  params = (scale + bias) * hidden * item
+  stats = (1 + centered) * rows * 4
+  # Forward, one row a program: x (and the residual), the parameters a row; writes y (and z)
+  # and the statistics. Backward: the scale once a program, the rows' x, g (and the sum's
+  # gradient) and statistics; writes dx and a float32 row of each parameter's partials a
+  # program.
+  fwd = ((1 + residual) * size + rows * params, (1 + residual) * size + stats)
+  bwd = (programs * scale * hidden * item + (2 + residual) * size + stats,
+         size + (scale + bias) * programs * hidden * 4)
+  assert [(c.reads, c.writes) for c in counted.launches] == [fwd, bwd]
+
+
+@triton_only
+@pytest.mark.parametrize("a_layout, b_layout", [("ik", "jk"), ("ik", "kj"), ("ki", "kj")])
+def test_triton_matmul_and_sum_rows_kernels(a_layout, b_layout):
+  import torch
+  _, _, kernels = _more_triton_kernels()
+  size_i, size_j, size_k, item = 70, 45, 100, 2  # bfloat16; 64 x 32 x 32 tiles, tails
+  bi, bj, bk = kernels.blocks_for(size_i, size_j, size_k, (64, 32, 32))
+  grid = kernels.matmul_grid(size_i, size_j, bi, bj)
+  a = torch.ones((size_i, size_k) if a_layout == "ik" else (size_k, size_i), dtype=torch.bfloat16)
+  b = torch.ones((size_j, size_k) if b_layout == "jk" else (size_k, size_j), dtype=torch.bfloat16)
+  bias = torch.ones(size_j, dtype=torch.bfloat16)
+  c, total = torch.empty(size_i, size_j, dtype=torch.bfloat16), torch.empty(size_j)
+  has_bias = a_layout == "ik" and b_layout == "jk"  # the forward product has the bias
+  with metrics.triton_traffic.counting() as counted:
+    kernels.matmul_kernel[grid](a, b, bias, c, SIZE_I=size_i, SIZE_J=size_j, SIZE_K=size_k,
+                                A_LAYOUT=a_layout, B_LAYOUT=b_layout, HAS_BIAS=has_bias,
+                                IEEE=False, BLOCK_I=bi, BLOCK_J=bj, BLOCK_K=bk)
+    kernels.sum_rows_kernel[(cdiv(size_j, 32),)](c, total, SIZE_I=size_i, SIZE_J=size_j,
+                                                 BLOCK_I=16, BLOCK_J=32)
+  # Each program reads its rows of A and its columns of B over all of K (and its columns of
+  # the bias), and writes its tile of C; so A is read once a column block, B once a row block.
+  n_i, n_j = grid
+  matmul = ((size_i * size_k * n_j + size_j * size_k * n_i + has_bias * size_j * n_i) * item,
+            size_i * size_j * item)
+  # The row sum reads every element once and writes a float32 sum a column.
+  sum_rows = (size_i * size_j * item, size_j * 4)
+  assert grid == (2, 2)
+  assert [(c.reads, c.writes) for c in counted.launches] == [matmul, sum_rows]

@@ -1,20 +1,21 @@
 """Registers, spills, shared memory and occupancy of every GPU kernel, compiled on this machine.
 
-Each case is one kernel in one configuration that ships: the forward and backward Pallas
-kernels that the ops of ``jaxfuse.ops`` launch with ``implementation="pallas"`` (traced as on
-a GPU, so that tiles, warps and stages are those ``implementation=None`` and the heuristic
-tables choose there), and the ``@triton.jit`` kernels of ``jaxfuse.kernels.triton`` with the
-constants their jax-triton wrappers pass. Every kernel is compiled for ``--arch`` (``sm_90a``
-by default, or ``sm_80``) by :mod:`jaxfuse.metrics.kernel_resources`: Pallas kernels from the
-Triton module their lowering writes, Triton kernels from their source, both through the
-``triton`` package and its bundled ``ptxas``. No GPU is needed and nothing runs.
+Each case is one kernel in one configuration that ships: the forward and backward kernels
+that the ops of ``jaxfuse.ops`` launch with each kernel implementation they have
+(``implementation="pallas"``: the Pallas kernels; ``"triton"``: the ``@triton.jit`` kernels of
+``jaxfuse.kernels.triton`` with the constants their jax-triton wrappers pass), traced as on a
+GPU so that tiles, warps and stages are those the heuristic tables choose there. Every kernel
+is compiled for ``--arch`` (``sm_90a`` by default, or ``sm_80``) by
+:mod:`jaxfuse.metrics.kernel_resources`, through the ``triton`` package and its bundled
+``ptxas``: Pallas kernels from the Triton module their CUDA lowering writes, Triton kernels from
+their source. No GPU is needed and nothing runs.
 
 Configurations: float32, bfloat16 and float16; attention (batch 2, 1024 tokens, 8 heads) at
-head dims 40, 64, 128 and 256, causal or not, with or without a float32 ``[1, 8, T, T]``
-bias (the bias adds the dbias kernel); norms over 4096 rows of widths up to the largest each
-implementation takes (Pallas 65536, Triton 32768); softmax rows up to 32768; the elementwise
-kernels over 16M elements or 4096 x 4096; the linear and cross-entropy kernels at 4096 tokens.
-``--quick`` keeps one or two configurations per kernel.
+head dims 40, 64, 128 and 256, causal or not, with or without a float32 ``[1, 8, T, T]`` bias
+(which adds the dbias kernel); the norms over 4096 rows of widths 1024, 4096, 16384 and the
+largest each implementation takes; softmax rows of 1024 and 32768, with and without a mask;
+the elementwise kernels over 16M elements or 4096 x 4096; the linear and cross-entropy kernels
+at 4096 tokens. ``--quick`` keeps a few configurations per family.
 
 Fields: ``regs`` (registers per thread), ``spill_bytes`` (spill stores + loads per thread),
 ``stack_bytes`` (stack frame per thread), ``smem_bytes`` (dynamic + static shared memory per
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 from collections.abc import Callable, Sequence
 
 import jax
@@ -35,15 +37,17 @@ import jax.numpy as jnp
 
 from benchmarks.records import Record
 from jaxfuse import ops
+from jaxfuse.kernels.pallas import normalization as pallas_norm
 from jaxfuse.metrics import kernel_resources as kr
+from jaxfuse.ops import base as op_base
+from jaxfuse.ops.flash_attention import tuning
 
 SUITE = "kernels"
 DTYPES = ("float32", "bfloat16", "float16")
-ATTENTION_SHAPE = dict(batch=2, tokens=1024, heads=8)
+ATTENTION_SHAPE = {"batch": 2, "tokens": 1024, "heads": 8}
 ATTENTION_HEAD_DIMS = (40, 64, 128, 256)
 ROWS = 4096
-PALLAS_NORM_WIDTHS = (1024, 4096, 16384, 65536)     # 65536: kernels.pallas.normalization
-TRITON_NORM_WIDTHS = (1024, 4096, 16384, 32768)     # 32768: kernels.triton.normalization
+NORM_WIDTHS = (1024, 4096, 16384)    # and the largest each implementation takes
 SOFTMAX_WIDTHS = (1024, 32768)
 ELEMENTS = 1 << 24
 FEATURES = 4096
@@ -57,7 +61,7 @@ _OCCUPANCY = ("modelled: resident blocks per SM from registers (allocated per wa
               "256), shared memory (+1 KiB reserved per block) and threads, {device} limits "
               "(jaxfuse.metrics.kernel_resources.occupancy)")
 _HOW = {"pallas": "from the Triton module of the CUDA lowering",
-        "triton": "from the @triton.jit source with the jax-triton wrapper's constants"}
+        "triton": "from the @triton.jit source with the constants jax-triton is called with"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,9 +72,9 @@ class Config:
     family: what the headline groups by (``attention``, ``norm``, ...).
     label: the configuration in the case name (``d=128 causal``).
     dtype: the inputs' dtype.
-    kind: ``"pallas"`` (``build`` gives a function and its arguments, lowered for CUDA) or
-      ``"triton"`` (``build`` gives jax-triton wrappers and their arguments).
-    build: returns ``(f, args)`` for Pallas, a list of ``(wrapper, args, kwargs)`` for Triton.
+    kind: the implementation, ``"pallas"`` or ``"triton"``.
+    build: returns ``(f, args)``: a function running the op's forward and backward with that
+      implementation, and its arguments (``jax.ShapeDtypeStruct``s).
     blocks: kernel name -> its tile, for the case name (None where it says nothing more).
   """
 
@@ -102,23 +106,43 @@ def _first(out):
   return out[0] if isinstance(out, tuple) else out
 
 
-# Pallas configurations ---------------------------------------------------------------------------
+# Configurations -------------------------------------------------------------------------------
 
 
-def _attention(dtype: str, d: int, causal: bool, bias: bool) -> Config:
+def implementations(op: Callable) -> tuple[str, ...]:
+  """The kernel implementations (``pallas``, ``triton``) an op of ``jaxfuse.ops`` has."""
+  module = sys.modules[op.__module__]
+  for value in vars(module).values():
+    if isinstance(value, op_base.Op) and value.name == op.__name__:
+      return tuple(i for i in ("pallas", "triton") if i in value.implementations)
+  raise ValueError(f"kernels suite: no Op named {op.__name__} in {module.__name__}")
+
+
+def _op_configs(family: str, label: str, dtype: str, op: Callable, call: Callable,
+                args: Sequence, n_diff: int | None = None, impls: Sequence[str] | None = None,
+                blocks: Callable[[str], str | None] | None = None) -> list[Config]:
+  """One configuration per kernel implementation of ``op``: the forward and the gradient of
+  ``call(*args, implementation=impl)``."""
+  out = []
+  for impl in impls or implementations(op):
+    loss = functools.partial(call, implementation=impl)
+    n = len(args) if n_diff is None else n_diff
+    out.append(Config(family, label, dtype, impl,
+                      functools.partial(lambda loss, n: (_fwd_bwd(loss, n), tuple(args)), loss, n),
+                      blocks or (lambda name: None)))
+  return out
+
+
+def attention_configs(dtype: str, d: int, causal: bool, bias: bool) -> list[Config]:
+  """Attention at head dim ``d``, causal or not, with or without a bias."""
   b, t, h = ATTENTION_SHAPE["batch"], ATTENTION_SHAPE["tokens"], ATTENTION_SHAPE["heads"]
   q = _spec((b, t, h, d), dtype)
 
-  def build():
-    def loss(q, k, v, *bias_arg):
-      return ops.attention(q, k, v, causal=causal, bias=bias_arg[0] if bias_arg else None,
-                           implementation="pallas")
-    args = (q, q, q) + ((_spec((1, h, t, t), "float32"),) if bias else ())
-    return _fwd_bwd(loss, len(args)), args
+  def call(q, k, v, *bias_arg, implementation):
+    return ops.attention(q, k, v, causal=causal, bias=bias_arg[0] if bias_arg else None,
+                         implementation=implementation)
 
   def blocks(name):
-    from jaxfuse.ops.flash_attention import tuning
-
     sizes = tuning.block_sizes_for(q, q, causal=causal, has_bias=bias)
     if name.startswith("attention_fwd"):
       return f"block={sizes.block_q}x{sizes.block_k}"
@@ -128,173 +152,181 @@ def _attention(dtype: str, d: int, causal: bool, bias: bool) -> Config:
       return f"block={sizes.block_q_dkdv}x{sizes.block_k_dkdv}"
     return None
 
+  args = (q, q, q) + ((_spec((1, h, t, t), "float32"),) if bias else ())
   label = f"d={d}" + (" causal" if causal else "") + (" bias" if bias else "")
-  return Config("attention", label, dtype, "pallas", build, blocks)
+  return _op_configs("attention", label, dtype, ops.attention, call, args, blocks=blocks)
 
 
-def _norm(op_name: str, dtype: str, width: int) -> Config:
+def _max_hidden(impl: str) -> int:
+  if impl == "triton":
+    from jaxfuse.kernels.triton import normalization as triton_norm
+
+    return triton_norm.MAX_HIDDEN
+  return pallas_norm.MAX_HIDDEN
+
+
+def _norm(op_name: str, dtype: str, width: int | None, impls=None) -> list[Config]:
+  """``op_name`` over ROWS rows of ``width`` (None: the largest each implementation takes)."""
   op = getattr(ops, op_name)
-  x = _spec((ROWS, width), dtype)
-  w = _spec((width,), dtype)
-  residual = op_name.startswith("add_")
-  centered = "layer" in op_name
+  out = []
+  for impl in impls or implementations(op):
+    h = width or _max_hidden(impl)
+    if h > _max_hidden(impl):
+      continue
+    x, w = _spec((ROWS, h), dtype), _spec((h,), dtype)
+    residual, centered = op_name.startswith("add_"), "layer" in op_name
 
-  def build():
-    def loss(x, *rest):
+    def call(x, *rest, implementation, op=op, residual=residual, centered=centered):
       rest = list(rest)
-      res = rest.pop(0) if residual else None
-      scale = rest.pop(0)
-      bias = rest.pop(0) if centered else None
-      args = (x, res) if residual else (x,)
-      kwargs = {"bias": bias} if centered else {}
-      return _first(op(*args, scale, implementation="pallas", **kwargs))
+      args = (x, rest.pop(0)) if residual else (x,)
+      kwargs = {"bias": rest[1]} if centered else {}
+      return _first(op(*args, rest[0], implementation=implementation, **kwargs))
+
     args = (x,) + ((x,) if residual else ()) + (w,) + ((w,) if centered else ())
-    return _fwd_bwd(loss, len(args)), args
+    out += _op_configs("norm", f"{op_name} H={h} rows={ROWS}", dtype, op, call, args,
+                       impls=(impl,))
+  return out
 
-  return Config("norm", f"{op_name} H={width} rows={ROWS}", dtype, "pallas", build)
 
-
-def _softmax(dtype: str, width: int, masked: bool) -> Config:
+def _softmax(dtype: str, width: int, masked: bool) -> list[Config]:
   x = _spec((ROWS, width), dtype)
-
-  def build():
-    if masked:
-      return _fwd_bwd(lambda x, m: ops.softmax(x, mask=m, implementation="pallas"), 1), (
-          x, _spec((ROWS, width), "bool"))
-    return _fwd_bwd(lambda x: ops.softmax(x, implementation="pallas"), 1), (x,)
-
-  return Config("softmax", f"softmax n={width} rows={ROWS}" + (" mask" if masked else ""),
-                dtype, "pallas", build)
+  label = f"softmax n={width} rows={ROWS}" + (" mask" if masked else "")
+  if masked:
+    call = lambda x, m, implementation: ops.softmax(x, mask=m, implementation=implementation)
+    return _op_configs("softmax", label, dtype, ops.softmax, call,
+                       (x, _spec((ROWS, width), "bool")), n_diff=1)
+  call = lambda x, implementation: ops.softmax(x, implementation=implementation)
+  return _op_configs("softmax", label, dtype, ops.softmax, call, (x,))
 
 
-def _elementwise(name: str, dtype: str) -> Config:
+def _elementwise(name: str, dtype: str) -> list[Config]:
   flat = _spec((ELEMENTS,), dtype)
   grid = _spec((ROWS, FEATURES), dtype)
   vector = _spec((FEATURES,), dtype)
   calls = {
-      "add_act": (lambda a, b: ops.add_act(a, b, "gelu", implementation="pallas"), (flat, flat),
-                  f"add_act[gelu] n={ELEMENTS}"),
-      "add_act_unfused": (lambda a, b: ops.add_act_unfused(a, b, "gelu", implementation="pallas"),
-                          (flat, flat), f"add_act_unfused[gelu] n={ELEMENTS}"),
-      "relu": (lambda x: ops.relu(x, implementation="pallas"), (flat,), f"relu n={ELEMENTS}"),
-      "bias_act": (lambda x, b: ops.bias_act(x, b, "gelu", implementation="pallas"),
-                   (grid, vector), f"bias_act[gelu] {ROWS}x{FEATURES}"),
-      "glu": (lambda a, b: ops.glu(a, b, "silu", implementation="pallas"), (grid, grid),
-              f"glu[silu] {ROWS}x{FEATURES}"),
+      "add_act": (ops.add_act, lambda a, b, implementation: ops.add_act(
+          a, b, "gelu", implementation=implementation), (flat, flat),
+          f"add_act[gelu] n={ELEMENTS}"),
+      "add_act_unfused": (ops.add_act_unfused, lambda a, b, implementation: ops.add_act_unfused(
+          a, b, "gelu", implementation=implementation), (flat, flat),
+          f"add_act_unfused[gelu] n={ELEMENTS}"),
+      "relu": (ops.relu, lambda x, implementation: ops.relu(x, implementation=implementation),
+               (flat,), f"relu n={ELEMENTS}"),
+      "bias_act": (ops.bias_act, lambda x, b, implementation: ops.bias_act(
+          x, b, "gelu", implementation=implementation), (grid, vector),
+          f"bias_act[gelu] {ROWS}x{FEATURES}"),
+      "glu": (ops.glu, lambda a, b, implementation: ops.glu(
+          a, b, "silu", implementation=implementation), (grid, grid),
+          f"glu[silu] {ROWS}x{FEATURES}"),
+      "glu_packed": (ops.glu, lambda x, implementation: ops.glu(
+          x, "silu", implementation=implementation), (_spec((ROWS, 2 * FEATURES), dtype),),
+          f"glu[silu] packed {ROWS}x{2 * FEATURES}"),
   }
-  loss, args, label = calls[name]
-  return Config("elementwise", label, dtype, "pallas",
-                lambda: (_fwd_bwd(loss, len(args)), args))
+  op, call, args, label = calls[name]
+  return _op_configs("elementwise", label, dtype, op, call, args)
 
 
-def _linear(dtype: str) -> Config:
-  x = _spec((ROWS, MODEL), dtype)
-  w = _spec((FEATURES, MODEL), dtype)
-  b = _spec((FEATURES,), dtype)
-  loss = lambda x, w, b: ops.recompute_linear(x, w, b, implementation="pallas")  # noqa: E731
-  return Config("linear", f"recompute_linear {ROWS}x{MODEL}->{FEATURES}", dtype, "pallas",
-                lambda: (_fwd_bwd(loss, 3), (x, w, b)))
+ELEMENTWISE = ("add_act", "add_act_unfused", "relu", "bias_act", "glu", "glu_packed")
 
 
-def _cross_entropy(dtype: str) -> Config:
-  h = _spec((ROWS, MODEL), dtype)
-  w = _spec((VOCAB, MODEL), dtype)
-  labels = _spec((ROWS,), "int32")
-  loss = lambda h, w, y: ops.linear_cross_entropy(h, w, y, implementation="pallas")  # noqa: E731
-  return Config("xent", f"linear_cross_entropy N={ROWS} D={MODEL} V={VOCAB}", dtype, "pallas",
-                lambda: (_fwd_bwd(loss, 2), (h, w, labels)))
+def _linear(dtype: str) -> list[Config]:
+  x, w, b = _spec((ROWS, MODEL), dtype), _spec((FEATURES, MODEL), dtype), _spec((FEATURES,), dtype)
+  call = lambda x, w, b, implementation: ops.recompute_linear(
+      x, w, b, implementation=implementation)
+  return _op_configs("linear", f"recompute_linear {ROWS}x{MODEL}->{FEATURES}", dtype,
+                     ops.recompute_linear, call, (x, w, b))
 
 
-# Triton configurations ---------------------------------------------------------------------------
-
-
-def _triton_elementwise(dtype: str) -> Config:
-  from jaxfuse.kernels.triton import elementwise as tk
-
-  flat = _spec((ELEMENTS,), dtype)
-  return Config("triton", f"add_act[gelu] n={ELEMENTS}", dtype, "triton", lambda: [
-      (tk.add_act_forward, (flat, flat), {"act": "gelu"}),
-      (tk.add_act_backward, (flat, flat, flat), {"act": "gelu"})])
-
-
-def _triton_glu(dtype: str) -> Config:
-  from jaxfuse.kernels.triton import gated_linear as tk
-
-  half = _spec((ROWS, FEATURES), dtype)
-  packed = _spec((ROWS, 2 * FEATURES), dtype)
-  return Config("triton", f"glu[silu] {ROWS}x{FEATURES}", dtype, "triton", lambda: [
-      (tk.glu_forward, (half, half), {"act": "silu"}),
-      (tk.glu_backward, (half, half, half), {"act": "silu"}),
-      (functools.partial(tk.glu_backward, b=None), (packed, half), {"act": "silu"})])
-
-
-def _triton_rms_norm(dtype: str, width: int) -> Config:
-  from jaxfuse.kernels.triton import normalization as tk
-
-  x = _spec((ROWS, width), dtype)
-  w = _spec((width,), dtype)
-  rstd = _spec((ROWS, 1), "float32")
-  return Config("triton", f"rms_norm H={width} rows={ROWS}", dtype, "triton", lambda: [
-      (tk.rms_norm_forward, (x, w), {"eps": 1e-6}),
-      (tk.rms_norm_backward, (x, x, w, rstd), {})])
-
-
-# The configurations ------------------------------------------------------------------------------
+def _cross_entropy(dtype: str) -> list[Config]:
+  h, w = _spec((ROWS, MODEL), dtype), _spec((VOCAB, MODEL), dtype)
+  call = lambda h, w, y, implementation: ops.linear_cross_entropy(
+      h, w, y, implementation=implementation)
+  return _op_configs("xent", f"linear_cross_entropy N={ROWS} D={MODEL} V={VOCAB}", dtype,
+                     ops.linear_cross_entropy, call, (h, w, _spec((ROWS,), "int32")), n_diff=2)
 
 
 def configs(quick: bool = False) -> list[Config]:
-  """Every configuration the suite compiles (``quick``: one or two per kernel)."""
+  """Every configuration the suite compiles (``quick``: a few per kernel family)."""
   out: list[Config] = []
   if quick:
-    out += [_attention("float16", 128, True, False), _attention("bfloat16", 64, False, True),
-            _attention("float32", 64, True, False)]
-    out += [_norm("rms_norm", "bfloat16", 4096), _norm("add_layer_norm", "bfloat16", 65536),
-            _softmax("bfloat16", 32768, True)]
-    out += [_elementwise(name, "bfloat16")
-            for name in ("add_act", "add_act_unfused", "relu", "bias_act", "glu")]
-    out += [_linear("bfloat16"), _cross_entropy("bfloat16")]
-    out += [_triton_elementwise("bfloat16"), _triton_glu("bfloat16"),
-            _triton_rms_norm("bfloat16", 32768)]
-    return out
+    out += attention_configs("float16", 128, True, False)
+    out += attention_configs("bfloat16", 64, False, True)
+    out += attention_configs("float32", 64, True, False)
+    out += _norm("rms_norm", "bfloat16", None) + _norm("add_layer_norm", "bfloat16", 4096)
+    out += _softmax("bfloat16", 32768, True)
+    for name in ELEMENTWISE:
+      out += _elementwise(name, "bfloat16")
+    return out + _linear("bfloat16") + _cross_entropy("bfloat16")
   for dtype in DTYPES:
     for d in ATTENTION_HEAD_DIMS:
       for causal in (True, False):
         for bias in (False, True):
-          out.append(_attention(dtype, d, causal, bias))
+          out += attention_configs(dtype, d, causal, bias)
   for dtype in DTYPES:
     for op_name in ("rms_norm", "layer_norm", "add_rms_norm", "add_layer_norm"):
-      out += [_norm(op_name, dtype, width) for width in PALLAS_NORM_WIDTHS]
-    out += [_softmax(dtype, width, masked) for width in SOFTMAX_WIDTHS for masked in (False, True)]
-    out += [_elementwise(name, dtype)
-            for name in ("add_act", "add_act_unfused", "relu", "bias_act", "glu")]
-    out += [_linear(dtype), _cross_entropy(dtype)]
-    out += [_triton_elementwise(dtype), _triton_glu(dtype)]
-    out += [_triton_rms_norm(dtype, width) for width in TRITON_NORM_WIDTHS]
+      for width in NORM_WIDTHS + (None,):
+        out += _norm(op_name, dtype, width)
+    for width in SOFTMAX_WIDTHS:
+      out += _softmax(dtype, width, False) + _softmax(dtype, width, True)
+    for name in ELEMENTWISE:
+      out += _elementwise(name, dtype)
+    out += _linear(dtype) + _cross_entropy(dtype)
   return out
+
+
+def core() -> list[Config]:
+  """The configurations ``tests/test_kernel_resources.py`` compiles: every kernel once, in
+  bfloat16 or float16, at the tiles the heuristics choose (the cheapest shapes that reach it:
+  a Triton kernel shared by several ops is compiled for one of them)."""
+  out = attention_configs("float16", 64, True, True)
+  out += _norm("rms_norm", "bfloat16", 4096)
+  out += _norm("add_layer_norm", "float16", 4096, impls=("pallas",))
+  out += _softmax("bfloat16", 4096, True)
+  for name in ("add_act", "add_act_unfused", "relu", "bias_act", "glu"):
+    out += _elementwise(name, "bfloat16")
+  out += [c for c in _elementwise("glu_packed", "bfloat16") if c.kind == "triton"]
+  return out + _linear("bfloat16") + _cross_entropy("bfloat16")
 
 
 def sources(config: Config) -> list[kr.KernelSource]:
   """The kernels of one configuration, as :mod:`jaxfuse.metrics.kernel_resources` takes them."""
+  f, args = config.build()
   if config.kind == "pallas":
-    f, args = config.build()
     return kr.pallas_kernels(f, *args)
-  found: list[kr.KernelSource] = []
-  for wrapper, args, kwargs in config.build():
-    found += kr.triton_kernels(wrapper, *args, **kwargs)
-  return found
+  return kr.triton_kernels(f, *args)
 
 
-def case_name(config: Config, source: kr.KernelSource) -> str:
-  block = config.blocks(source.name)
-  parts = [source.name, config.label] + ([block] if block else [])
-  return " ".join(parts + [f"warps={source.num_warps}", f"stages={source.num_stages}"])
+def _constants(source: kr.KernelSource, keys: Sequence[str]) -> list[str]:
+  values = dict(source.constexprs)
+  return [f"{k}={values[k]}" for k in keys if k in values]
 
 
-def record(config: Config, source: kr.KernelSource, resources: kr.KernelResources | None,
-           arch: str, platform: str, error: str | None = None) -> Record:
+def case_names(config: Config, found: Sequence[kr.KernelSource]) -> list[str]:
+  """The case of each kernel: its name, the configuration, its tile and launch settings.
+
+  A Triton kernel's tile is its ``BLOCK*`` constexprs; where one kernel is launched with
+  different constexprs in the same configuration (a forward with and without statistics), the
+  ones that differ are named too.
+  """
+  names = []
+  for source in found:
+    twins = [s for s in found if s.name == source.name]
+    differing = sorted({k for s in twins for k, v in s.constexprs
+                        if any(dict(t.constexprs).get(k) != v for t in twins)})
+    block = config.blocks(source.name)
+    tile = ([block] if block else []) + _constants(
+        source, [k for k, _ in source.constexprs if k.startswith("BLOCK")])
+    parts = [source.name, config.label, *_constants(source, differing), *tile,
+             f"warps={source.num_warps}", f"stages={source.num_stages}"]
+    names.append(" ".join(parts))
+  return names
+
+
+def record(config: Config, case: str, resources: kr.KernelResources | None, arch: str,
+           platform: str, error: str | None = None) -> Record:
   """The record of one kernel: its figures and their sources, or null figures and why."""
-  r = Record(suite=SUITE, case=case_name(config, source), impl=f"jaxfuse-{config.kind}",
-             platform=platform, dtype=config.dtype)
+  r = Record(suite=SUITE, case=case, impl=f"jaxfuse-{config.kind}", platform=platform,
+             dtype=config.dtype)
   target = kr.arch(arch)
   how = _HOW[config.kind]
   r.set("arch", target.name, f"compile target ({target.device}-class)")
@@ -314,17 +346,36 @@ def record(config: Config, source: kr.KernelSource, resources: kr.KernelResource
   return r
 
 
-def measure(config: Config, arch: str, platform: str) -> list[Record]:
-  """The records of one configuration's kernels (Triton's cache in a temporary directory)."""
+def compiled(config: Config, arch: str = kr.DEFAULT_ARCH
+             ) -> list[tuple[str, kr.KernelResources | None, str | None]]:
+  """``(case, resources, error)`` for each kernel of one configuration: its figures, or None
+  and why it does not compile."""
+  found = sources(config)
+  results = kr.compile_each(found, arch)
+  return [(case, None, r) if isinstance(r, str) else (case, r, None)
+          for case, r in zip(case_names(config, found), results)]
+
+
+def compile_all(configs: Sequence[Config], arch: str = kr.DEFAULT_ARCH
+                ) -> list[tuple[Config, str, kr.KernelSource, kr.KernelResources | None,
+                                str | None]]:
+  """Every kernel of ``configs`` compiled in one batch (Triton kernels that compile in another
+  process share it): ``(config, case, source, resources, error)`` per kernel."""
+  found = [(c, sources(c)) for c in configs]
+  results = iter(kr.compile_each([s for _, group in found for s in group], arch))
   out = []
-  with kr.triton_cache():
-    for source in sources(config):
-      try:
-        resources, error = kr.compile_kernel(source, arch), None
-      except RuntimeError as e:
-        resources, error = None, str(e).removeprefix("kernel_resources: ")[:300]
-      out.append(record(config, source, resources, arch, platform, error))
+  for config, group in found:
+    for case, source in zip(case_names(config, group), group):
+      r = next(results)
+      out.append((config, case, source, None, r) if isinstance(r, str)
+                 else (config, case, source, r, None))
   return out
+
+
+def measure(config: Config, arch: str, platform: str) -> list[Record]:
+  """The records of one configuration's kernels."""
+  return [record(config, case, resources, arch, platform, error)
+          for case, resources, error in compiled(config, arch)]
 
 
 def run(ctx) -> list[Record]:

@@ -12,13 +12,16 @@ memory is the compiled kernel's ``shared`` metadata. :func:`kernel_resources` do
 function and its arguments.
 
 The ``@triton.jit`` kernels called through jax-triton are compiled the same way from their
-Python source (:func:`triton_kernels`): their wrappers run abstractly with a stand-in for
-``jax_triton.triton_call`` that records the kernel, the pointer dtypes, the constexprs, the
-grid, ``num_warps`` and ``num_stages`` it is called with, exactly what jax-triton would compile.
+Python source (:func:`triton_kernels`): an op with ``implementation="triton"`` (or a wrapper)
+runs abstractly with a stand-in for ``jax_triton.triton_call`` that records the kernel, the
+pointer dtypes, the constexprs, the grid, ``num_warps`` and ``num_stages`` it is called with,
+what jax-triton would compile. Under ``TRITON_INTERPRET=1`` (the CPU tests) ``@triton.jit``
+makes interpreter objects, Triton's own library included; those kernels are compiled in a
+child process that imports triton without it.
 
-The figures are those of the ``triton`` package on this machine; XLA compiles the same Triton
-modules with the Triton it bundles, whose passes and ``ptxas`` may differ (registers within a
-few percent; ``benchmarks/gpu_check.sh`` compares both on a GPU).
+The figures are those of the ``triton`` package on this machine. XLA compiles the same Triton
+modules with the Triton it bundles, whose passes and ``ptxas`` may differ;
+``bash benchmarks/gpu_check.sh kernels`` compares both on a GPU.
 
 Example (with the ``triton`` package and its bundled ``ptxas`` installed)::
 
@@ -134,6 +137,7 @@ class KernelSource:
     signature: argument name -> Triton type (``"*fp32"``, ``"constexpr"``), Triton kernels.
     constexprs: argument name -> value of each compile-time constant, Triton kernels.
     launches: how many launches of this very kernel the function makes.
+    fp_fusion: whether multiplies and adds may fuse (jax-triton's ``enable_fp_fusion``).
     error: why the module cannot be compiled, when the one the lowering wrote does not
       verify (XLA would reject it on a GPU too); ``ttir`` is then None.
   """
@@ -149,6 +153,7 @@ class KernelSource:
   constexprs: tuple[tuple[str, object], ...] = ()
   launches: int = 1
   error: str | None = None
+  fp_fusion: bool = True
 
   def key(self) -> str:
     """What makes two launches compile to the same binary."""
@@ -309,18 +314,17 @@ def missing_toolchain(target: Arch | str = DEFAULT_ARCH) -> str | None:
   try:
     from jax._src.lib import triton as jax_triton_lib
 
-    jax_triton_lib.dialect.register_dialect  # noqa: B018 - the attribute is what is needed.
-  except Exception as e:  # noqa: BLE001 - any failure means the dialect is unavailable.
+    jax_triton_lib.dialect.register_dialect  # noqa: B018 - the attribute is what is needed
+  except Exception as e:  # noqa: BLE001 - any failure means the dialect is unavailable
     return f"jaxlib's Triton MLIR dialect (jax._src.lib.triton.dialect): {e}"
   try:
     import triton  # noqa: F401
-    from triton.backends.nvidia import compiler as nvidia
-  except Exception as e:  # noqa: BLE001
+    from triton.backends.nvidia import compiler  # noqa: F401
+  except Exception as e:  # noqa: BLE001 - any failure means triton is unusable here
     return f"the triton package with its NVIDIA backend (pip install triton): {e}"
   try:
-    tool = nvidia.get_ptxas(target.capability)
-    path = tool.path
-  except Exception as e:  # noqa: BLE001
+    path = _ptxas_path(target)
+  except Exception as e:  # noqa: BLE001 - any failure means no ptxas
     return f"ptxas for {target.name} (Triton's bundled ptxas, or $TRITON_PTXAS_PATH): {e}"
   if not path or not os.access(path, os.X_OK):
     return f"ptxas for {target.name} at {path!r} (Triton's bundled ptxas, or $TRITON_PTXAS_PATH)"
@@ -427,17 +431,26 @@ def _pointer_type(x) -> str:
   return "*" + _TRITON_TYPES[jnp.dtype(x.dtype).name]
 
 
+# Keyword arguments of ``jax_triton.triton_call`` (0.3) that are not the kernel's constexprs.
+_TRITON_CALL_OPTIONS = ("name", "custom_call_target_name", "num_ctas", "compute_capability",
+                        "input_output_aliases", "zeroed_outputs", "debug", "serialized_metadata")
+
+
 @contextlib.contextmanager
 def recording_triton_calls() -> Iterator[list[KernelSource]]:
-  """Inside the block, ``import jax_triton`` gives a stand-in whose ``triton_call`` records
-  each call as a :class:`KernelSource` (and returns zeros of its ``out_shape``), so that the
-  jax-triton wrappers in ``jaxfuse.kernels.triton`` run on any machine, best under
-  ``jax.eval_shape``. Signature, constexprs, ``num_warps`` (default 4) and ``num_stages``
-  (default 3) follow jax-triton 0.3: pointers for the array arguments then the outputs, and
-  every keyword argument a constexpr."""
+  """Inside the block, ops and wrappers call a stand-in for ``jax_triton.triton_call`` that
+  records each call as a :class:`KernelSource` (and returns zeros of its ``out_shape``), and
+  ``implementation="triton"`` resolves as on a GPU machine with jax-triton, so that the Triton
+  paths trace on any machine (best under ``jax.eval_shape`` and
+  ``dispatch.target_platform("gpu")``). Signature, constexprs, ``num_warps`` (default 4) and
+  ``num_stages`` (default 3) follow jax-triton 0.3: pointers for the array arguments then the
+  outputs, every other keyword argument a constexpr."""
   calls: list[KernelSource] = []
 
-  def triton_call(*args, kernel, out_shape, grid, num_warps=None, num_stages=None, **params):
+  def triton_call(*args, kernel, out_shape, grid, num_warps=None, num_stages=None,
+                  enable_fp_fusion=True, **params):
+    for option in _TRITON_CALL_OPTIONS:
+      params.pop(option, None)
     outs = list(out_shape) if isinstance(out_shape, (list, tuple)) else [out_shape]
     names = list(kernel.arg_names)
     pointers = [_pointer_type(x) for x in (*args, *outs)]
@@ -449,29 +462,40 @@ def recording_triton_calls() -> Iterator[list[KernelSource]]:
         name=kernel.__name__, kind="triton", num_warps=4 if num_warps is None else num_warps,
         num_stages=3 if num_stages is None else num_stages,
         grid=grid + (1,) * (3 - len(grid)), fn=kernel,
-        signature=tuple(signature.items()), constexprs=tuple(params.items())))
+        signature=tuple(signature.items()), constexprs=tuple(params.items()),
+        fp_fusion=bool(enable_fp_fusion)))
     zeros = [jnp.zeros(o.shape, o.dtype) for o in outs]
     return zeros if isinstance(out_shape, (list, tuple)) else zeros[0]
 
   stand_in = types.ModuleType("jax_triton")
   stand_in.triton_call = triton_call
   previous = sys.modules.get("jax_triton")
+  importable = dispatch.jax_triton_importable
   sys.modules["jax_triton"] = stand_in
+  dispatch.jax_triton_importable = lambda: True
   try:
     yield calls
   finally:
+    dispatch.jax_triton_importable = importable
     if previous is None:
       sys.modules.pop("jax_triton", None)
     else:
       sys.modules["jax_triton"] = previous
 
 
-def triton_kernels(wrapper: Callable, *args, **kwargs) -> list[KernelSource]:
-  """The ``@triton.jit`` kernels a jax-triton wrapper (e.g.
-  ``jaxfuse.kernels.triton.normalization.rms_norm_forward``) launches for ``args`` (arrays or
-  ``jax.ShapeDtypeStruct``s), with the constants it passes. Nothing runs."""
-  with recording_triton_calls() as calls:
-    jax.eval_shape(lambda *a: wrapper(*a, **kwargs), *args)
+def triton_kernels(f: Callable, *args, **kwargs) -> list[KernelSource]:
+  """The ``@triton.jit`` kernels ``f(*args)`` launches through jax-triton on a GPU: an op
+  with ``implementation="triton"`` (its gradient too, under ``jax.grad``) or a wrapper of
+  ``jaxfuse.kernels.triton``, with the constants it passes; ``args`` may be arrays or
+  ``jax.ShapeDtypeStruct``s. Nothing runs.
+
+  Example::
+
+    x = jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16)
+    triton_kernels(jax.grad(lambda x: rms_norm(x, implementation="triton").sum()), x)
+  """
+  with dispatch.target_platform("gpu"), recording_triton_calls() as calls:
+    jax.eval_shape(lambda *a: f(*a, **kwargs), *args)
   merged: dict[str, KernelSource] = {}
   for c in calls:
     key = c.key()
@@ -480,12 +504,10 @@ def triton_kernels(wrapper: Callable, *args, **kwargs) -> list[KernelSource]:
   return list(merged.values())
 
 
-# Compiling --------------------------------------------------------------------------------------
-
 _PROPERTIES = re.compile(
     r"Function properties for (\S+)\s*\n\s*(\d+) bytes stack frame, (\d+) bytes spill stores, "
     r"(\d+) bytes spill loads")
-_USED = re.compile(r"Compiling entry function '([^']+)'.*?Used (\d+) registers([^\n]*)", re.S)
+_USED = re.compile(r"Compiling entry function '([^']+)'.*?Used (\d+) registers([^\n]*)", re.DOTALL)
 _SMEM = re.compile(r"(\d+) bytes smem")
 
 
@@ -516,11 +538,19 @@ def parse_ptxas_log(log: str, name: str | None = None) -> dict[str, int]:
           "static_smem": int(smem.group(1)) if smem else 0}
 
 
-def _ptxas_log(ptx: str, target: Arch) -> str:
-  """``ptxas -v`` of ``ptx`` with the flags Triton compiles with."""
+def _ptxas_path(target: Arch) -> str:
+  """The ptxas Triton compiles ``target`` with (newer Triton picks one per arch)."""
   from triton.backends.nvidia import compiler as nvidia
 
-  ptxas = nvidia.get_ptxas(target.capability).path
+  try:
+    return nvidia.get_ptxas(target.capability).path
+  except TypeError:  # Triton before 3.5 has one ptxas
+    return nvidia.get_ptxas().path
+
+
+def _ptxas_log(ptx: str, target: Arch) -> str:
+  """``ptxas -v`` of ``ptx`` with the flags Triton compiles with."""
+  ptxas = _ptxas_path(target)
   with tempfile.TemporaryDirectory(prefix="jaxfuse-ptxas-") as tmp:
     src = os.path.join(tmp, "kernel.ptx")
     with open(src, "w") as f:
@@ -538,7 +568,7 @@ def _compile(source: KernelSource, target: Arch):
   from triton.compiler import ASTSource
 
   options = {"num_warps": source.num_warps, "num_stages": source.num_stages,
-             "enable_fp_fusion": True}
+             "enable_fp_fusion": source.fp_fusion}
   gpu = GPUTarget("cuda", target.capability, 32)
   log = io.StringIO()
   with contextlib.ExitStack() as stack:
@@ -554,7 +584,8 @@ def _compile(source: KernelSource, target: Arch):
       src = ASTSource(source.fn, signature=signature, constexprs=dict(source.constexprs),
                       attrs=attrs)
     stack.enter_context(triton.knobs.nvidia.scope())
-    triton.knobs.nvidia.dump_ptxas_log = True
+    if hasattr(type(triton.knobs.nvidia), "dump_ptxas_log"):  # else ptxas runs again below
+      triton.knobs.nvidia.dump_ptxas_log = True
     stack.enter_context(contextlib.redirect_stdout(log))
     compiled = triton.compile(src, target=gpu, options=options)
   return compiled, log.getvalue()
@@ -580,29 +611,46 @@ def _interpreted(source: KernelSource) -> bool:
   return not isinstance(source.fn, JITFunction)
 
 
-def _figures_elsewhere(sources: Sequence[KernelSource], target: Arch) -> list:
-  """:func:`_figures` of Triton kernels, each a dict or the error it raised, in a Python
-  process that imports triton for compiling (``python -m jaxfuse.metrics.kernel_resources``)."""
-  import triton
+class _Elsewhere:
+  """Triton kernels compiling in a Python process that imports triton for compiling
+  (``python -m jaxfuse.metrics.kernel_resources``), while this one goes on."""
 
-  jobs = []
-  for s in sources:
-    fn = getattr(s.fn, "fn", s.fn)
-    jobs.append({"module": fn.__module__, "function": fn.__name__, "name": s.name,
-                 "num_warps": s.num_warps, "num_stages": s.num_stages, "grid": list(s.grid),
-                 "signature": list(s.signature), "constexprs": list(s.constexprs)})
-  env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": triton.knobs.cache.dir}
-  with tempfile.TemporaryDirectory(prefix="jaxfuse-kernels-") as tmp:
-    request, answer = os.path.join(tmp, "request.json"), os.path.join(tmp, "answer.json")
+  def __init__(self, sources: Sequence[KernelSource], target: Arch):
+    import triton
+
+    jobs = []
+    for s in sources:
+      fn = getattr(s.fn, "fn", s.fn)
+      jobs.append({"module": fn.__module__, "function": fn.__name__, "name": s.name,
+                   "num_warps": s.num_warps, "num_stages": s.num_stages, "grid": list(s.grid),
+                   "signature": list(s.signature), "constexprs": list(s.constexprs),
+                   "fp_fusion": s.fp_fusion})
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": triton.knobs.cache.dir}
+    self._tmp = tempfile.TemporaryDirectory(prefix="jaxfuse-kernels-")
+    request = os.path.join(self._tmp.name, "request.json")
+    self._answer = os.path.join(self._tmp.name, "answer.json")
     with open(request, "w") as f:
       json.dump({"arch": target.name, "jobs": jobs}, f)
-    done = subprocess.run([sys.executable, "-m", __name__, request, answer], env=env,
-                          capture_output=True, text=True)
-    if done.returncode or not os.path.exists(answer):
-      raise RuntimeError(f"kernel_resources: compiling the Triton kernels in a subprocess "
-                         f"failed:\n{(done.stdout + done.stderr)[-3000:]}")
-    with open(answer) as f:
-      return json.load(f)
+    self._process = subprocess.Popen(
+        [sys.executable, "-m", __name__, request, self._answer], env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+  def result(self) -> list:
+    """Per kernel, :func:`_figures` or the error it raised (a str)."""
+    try:
+      output, _ = self._process.communicate()
+      if self._process.returncode or not os.path.exists(self._answer):
+        raise RuntimeError(f"kernel_resources: compiling the Triton kernels in a subprocess "
+                           f"failed:\n{output[-3000:]}")
+      with open(self._answer) as f:
+        return json.load(f)
+    finally:
+      self._tmp.cleanup()
+
+
+def _figures_elsewhere(sources: Sequence[KernelSource], target: Arch) -> list:
+  """:func:`_figures` of Triton kernels in another process (see :class:`_Elsewhere`)."""
+  return _Elsewhere(sources, target).result()
 
 
 def _serve(request_path: str, answer_path: str) -> None:
@@ -619,21 +667,22 @@ def _serve(request_path: str, answer_path: str) -> None:
         name=job["name"], kind="triton", num_warps=job["num_warps"],
         num_stages=job["num_stages"], grid=tuple(job["grid"]), fn=fn,
         signature=tuple(map(tuple, job["signature"])),
-        constexprs=tuple(map(tuple, job["constexprs"])))
+        constexprs=tuple(map(tuple, job["constexprs"])), fp_fusion=job["fp_fusion"])
     try:
       answers.append(_figures(source, target))
-    except Exception as e:  # noqa: BLE001 - reported to the parent, kernel by kernel.
+    except Exception as e:  # noqa: BLE001 - reported to the parent, kernel by kernel
       answers.append(f"{type(e).__name__}: {str(e)[:2000]}")
   with open(answer_path, "w") as f:
     json.dump(answers, f)
 
 
-def _resources(source: KernelSource, target: Arch, figures) -> KernelResources:
-  if isinstance(figures, str):
-    raise RuntimeError(f"kernel_resources: {source.kind} kernel {source.name} "
-                       f"(warps={source.num_warps}, stages={source.num_stages}) did not compile "
-                       f"for {target.name}: {figures}")
-  return resources_of(source, target, **figures)
+def _resources(source: KernelSource, target: Arch, figures: dict | str) -> KernelResources:
+  """The resources of a kernel from its figures, or the error they are (a str)."""
+  if isinstance(figures, dict):
+    return resources_of(source, target, **figures)
+  raise RuntimeError(f"kernel_resources: {source.kind} kernel {source.name} "
+                     f"(warps={source.num_warps}, stages={source.num_stages}) did not compile "
+                     f"for {target.name}: {figures}")
 
 
 def _check(source: KernelSource, target: Arch) -> None:
@@ -657,24 +706,56 @@ def compile_kernel(source: KernelSource, target: Arch | str = DEFAULT_ARCH) -> K
     return _resources(source, target, _figures_elsewhere([source], target)[0])
   try:
     figures = _figures(source, target)
-  except Exception as e:  # noqa: BLE001 - any compile failure is reported with the kernel.
+  except Exception as e:  # noqa: BLE001 - any compile failure is reported with the kernel
     figures = f"{type(e).__name__}: {str(e)[:2000]}"
   return _resources(source, target, figures)
 
 
+def compile_each(sources: Sequence[KernelSource], target: Arch | str = DEFAULT_ARCH, *,
+                 cache_dir: str | None = None) -> list[KernelResources | str]:
+  """:func:`compile_kernel` of each kernel, going on past those that fail: their entries are
+  why they did not compile. Triton's cache is ``cache_dir`` (default: a temporary directory);
+  Triton kernels that need another process share one.
+
+  Raises:
+    RuntimeError: the toolchain is missing (the message names what).
+  """
+  target = arch(target)
+  missing = missing_toolchain(target)
+  if missing:
+    raise RuntimeError(f"kernel_resources: cannot compile kernels for {target.name}: missing "
+                       f"{missing}")
+  with triton_cache(cache_dir):
+    elsewhere = [s for s in sources if s.error is None and _interpreted(s)]
+    started = _Elsewhere(elsewhere, target) if elsewhere else None  # runs meanwhile
+    out: dict[int, KernelResources | str] = {}
+    for s in sources:
+      if any(s is e for e in elsewhere):
+        continue
+      try:
+        out[id(s)] = compile_kernel(s, target)
+      except RuntimeError as e:
+        out[id(s)] = str(e).removeprefix("kernel_resources: ")
+    for s, figures in zip(elsewhere, started.result() if started else []):
+      try:
+        out[id(s)] = _resources(s, target, figures)
+      except RuntimeError as e:
+        out[id(s)] = str(e).removeprefix("kernel_resources: ")
+    return [out[id(s)] for s in sources]
+
+
 def compile_kernels(sources: Sequence[KernelSource], target: Arch | str = DEFAULT_ARCH, *,
                     cache_dir: str | None = None) -> list[KernelResources]:
-  """:func:`compile_kernel` of each, with Triton's cache in ``cache_dir`` (default: a
-  temporary directory); Triton kernels that need another process share one."""
-  target = arch(target)
-  with triton_cache(cache_dir):
-    for s in sources:
-      _check(s, target)
-    elsewhere = [s for s in sources if _interpreted(s)]
-    answers = dict(zip(map(id, elsewhere), _figures_elsewhere(elsewhere, target)
-                       if elsewhere else []))
-    return [_resources(s, target, answers[id(s)]) if id(s) in answers
-            else compile_kernel(s, target) for s in sources]
+  """:func:`compile_kernel` of each (see :func:`compile_each`).
+
+  Raises:
+    RuntimeError: the toolchain is missing, or a kernel did not compile (the first one).
+  """
+  results = compile_each(sources, target, cache_dir=cache_dir)
+  failed = [r for r in results if not isinstance(r, KernelResources)]
+  if failed:
+    raise RuntimeError(f"kernel_resources: {failed[0]}")
+  return results
 
 
 def kernel_resources(f: Callable, *args, arch: Arch | str = DEFAULT_ARCH,
@@ -698,8 +779,8 @@ def kernel_resources(f: Callable, *args, arch: Arch | str = DEFAULT_ARCH,
 
 def summary(resources: Sequence[KernelResources]) -> str:
   """A plain-text table of the figures, one kernel a line."""
-  lines = [f"{'kernel':<28} {'arch':<7} {'warps':>5} {'stages':>6} {'regs':>5} {'spill B':>8} "
-           f"{'stack B':>8} {'smem B':>8} {'blk/SM':>6}  limits"]
+  lines = [(f"{'kernel':<28} {'arch':<7} {'warps':>5} {'stages':>6} {'regs':>5} {'spill B':>8} "
+            f"{'stack B':>8} {'smem B':>8} {'blk/SM':>6}  limits")]
   for r in resources:
     lines.append(f"{r.name:<28} {r.arch:<7} {r.num_warps:>5} {r.num_stages:>6} "
                  f"{r.registers:>5} {r.spill_bytes:>8} {r.stack_bytes:>8} {r.smem_bytes:>8} "

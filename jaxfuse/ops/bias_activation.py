@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jaxfuse.kernels.pallas import bias_activation as pallas_bias_activation
 from jaxfuse.ops import activation_grads, activations, base, checks
 
-BIAS_ACT = base.Op("bias_act", ("pallas", "xla"), base.ELEMENTWISE_GPU_ORDER)
+BIAS_ACT = base.Op("bias_act", ("pallas", "triton", "xla"), base.ELEMENTWISE_GPU_ORDER)
 BIAS_ACT_ACTIVATIONS = ("gelu", "gelu_tanh", "silu", "relu", "squared_relu")
 
 
@@ -48,6 +48,20 @@ def _check(op, x, bias):
 @dataclasses.dataclass(frozen=True)
 class _Config(base.Config):
   fn: Callable
+  name: str | None   # the activation's registry name (the Triton kernels take names only)
+
+
+def _config(act, implementation) -> _Config:
+  op = BIAS_ACT.name
+  cfg = _Config(**BIAS_ACT.backend(implementation), fn=activations.get(act, arg="act", op=op),
+                name=activations.name_of(act))
+  if cfg.impl == "triton":
+    from jaxfuse.kernels.triton import bias_activation as triton_bias_activation
+
+    if cfg.name not in triton_bias_activation.ACTIVATIONS:
+      raise ValueError(f"{op}: implementation='triton' supports the named activations "
+                       f"{triton_bias_activation.ACTIVATIONS}, got act={act!r}")
+  return cfg
 
 
 # The op -----------------------------------------------------------------------------------------
@@ -62,8 +76,10 @@ def bias_act(x: jax.Array, bias: jax.Array, act: str | Callable = "gelu", *,
     bias: ``(features,)``, the same dtype as ``x``.
     act: ``"gelu"`` (exact, as ``F.gelu``), ``"gelu_tanh"`` (``F.gelu(approximate="tanh")``),
       ``"silu"``, ``"relu"``, ``"squared_relu"``, another name from
-      :data:`jaxfuse.ops.activations.ACTIVATIONS`, or an elementwise jnp function.
-    implementation: ``None`` (XLA: it fuses this chain by itself), ``"pallas"`` or ``"xla"``.
+      :data:`jaxfuse.ops.activations.ACTIVATIONS`, or an elementwise jnp function (not with
+      ``implementation="triton"``).
+    implementation: ``None`` (XLA: it fuses this chain by itself), ``"pallas"``, ``"triton"``
+      or ``"xla"``.
 
   Returns:
     ``act(x + bias)`` in the dtype of ``x``. Its gradient for ``bias`` is the sum over every
@@ -75,11 +91,9 @@ def bias_act(x: jax.Array, bias: jax.Array, act: str | Callable = "gelu", *,
     >>> bias_act(jnp.array([[1.0, -2.0]]), jnp.array([0.5, 1.0]), "relu")
     Array([[1.5, 0. ]], dtype=float32)
   """
-  op = BIAS_ACT.name
-  _check(op, x, bias)
-  cfg = _Config(**BIAS_ACT.backend(implementation), fn=activations.get(act, arg="act", op=op))
-  name = activations.name_of(act)
-  with jax.named_scope(f"jaxfuse.bias_act[{name or 'fn'}]"):
+  _check(BIAS_ACT.name, x, bias)
+  cfg = _config(act, implementation)
+  with jax.named_scope(f"jaxfuse.bias_act[{cfg.name or 'fn'}]"):
     return _bias_act(x, bias, cfg)
 
 
@@ -103,19 +117,32 @@ def _rows(x):
   return x.reshape(-1, x.shape[-1])
 
 
-def _forward(x, bias, cfg):
+def _kernels(cfg):
+  """The forward and backward kernels of ``cfg.impl`` over 2-D rows."""
   if cfg.impl == "pallas":
-    kernel = functools.partial(pallas_bias_activation.bias_act_forward, fn=cfg.fn,
-                               interpret=cfg.interpret)
+    forward = functools.partial(pallas_bias_activation.bias_act_forward, fn=cfg.fn,
+                                interpret=cfg.interpret)
+    backward = functools.partial(pallas_bias_activation.bias_act_backward, fn=cfg.fn,
+                                 interpret=cfg.interpret)
+    return forward, backward
+  from jaxfuse.kernels.triton import bias_activation as triton_bias_activation
+
+  forward = functools.partial(triton_bias_activation.bias_act_forward, act=cfg.name)
+  backward = functools.partial(triton_bias_activation.bias_act_backward, act=cfg.name)
+  return forward, backward
+
+
+def _forward(x, bias, cfg):
+  if cfg.impl in ("pallas", "triton"):
+    kernel, _ = _kernels(cfg)
     twin = functools.partial(_xla_forward, fn=cfg.fn)
     return base.kernel_call(kernel, twin, _rows(x), bias).reshape(x.shape)
   return _xla_forward(x, bias, cfg.fn)
 
 
 def _backward(x, bias, g, cfg):
-  if cfg.impl == "pallas":
-    kernel = functools.partial(pallas_bias_activation.bias_act_backward, fn=cfg.fn,
-                               interpret=cfg.interpret)
+  if cfg.impl in ("pallas", "triton"):
+    _, kernel = _kernels(cfg)
     twin = functools.partial(_xla_backward, fn=cfg.fn)
     dx, dbias = base.kernel_call(kernel, twin, _rows(x), bias, _rows(g))
     return dx.reshape(x.shape), dbias

@@ -5,8 +5,9 @@ computed chunk by chunk over the tokens, so that at most one chunk of logits (``
 exists at any time, in the forward and in the backward:
 
 - forward: each chunk's logits are made, reduced to a logsumexp, the target logit, the sum of
-  the logits (for label smoothing) and the argmax (for accuracy), and dropped. The Pallas kernel
-  never writes logits at all: it walks the vocabulary in tiles with an online logsumexp.
+  the logits (for label smoothing) and the argmax (for accuracy), and dropped. The Pallas and
+  Triton kernels never write logits at all: they walk the vocabulary in tiles with an online
+  logsumexp.
 - backward (the default, ``grad_in_forward=False``): the backward keeps only the inputs and the
   per-token logsumexp (4 bytes a token). It recomputes each chunk's logits from ``h`` and
   ``weight``, turns them into the chunk's logit gradient and multiplies that into ``dh`` and
@@ -41,7 +42,7 @@ from jax import lax
 
 from jaxfuse.ops import activations, base, checks
 
-LINEAR_CROSS_ENTROPY = base.Op("linear_cross_entropy", ("pallas", "xla"))
+LINEAR_CROSS_ENTROPY = base.Op("linear_cross_entropy", ("pallas", "triton", "xla"))
 
 _REDUCTIONS = ("mean", "sum", "none")
 _HIGHEST = lax.Precision.HIGHEST
@@ -242,7 +243,7 @@ def linear_cross_entropy(h: jax.Array, weight: jax.Array, labels: jax.Array, *,
     return_lse: also return the per-token logsumexp (float32, shape ``labels.shape``).
     return_accuracy: also return the argmax accuracy, reduced like the loss over the labels
       that are not ignored (``"none"``: 1.0 where the argmax is the label, else 0.0).
-    implementation: ``None`` (the fastest here), ``"pallas"`` or ``"xla"``.
+    implementation: ``None`` (the fastest here), ``"pallas"``, ``"triton"`` or ``"xla"``.
 
   Returns:
     The loss in float32 (a scalar, or ``labels.shape`` for ``"none"``). With ``return_lse`` or
@@ -410,16 +411,29 @@ def _stats(h, weight, bias, labels, cfg):
                                interpret=cfg.interpret)
     twin = functools.partial(_xla_stats, cfg=cfg, every=True)
     return base.kernel_call(kernel, twin, h, weight, bias, labels)
+  if cfg.impl == "triton":
+    from jaxfuse.kernels.triton import cross_entropy as triton_kernels
+
+    kernel = functools.partial(triton_kernels.stats_forward, softcap=cfg.softcap)
+    twin = functools.partial(_xla_stats, cfg=cfg, every=True)
+    return base.kernel_call(kernel, twin, h, weight, bias, labels)
   return _xla_stats(h, weight, bias, labels, cfg=cfg)
 
 
 def _logit_grad(hc, weight, bias, yc, lse, a, b, c, cfg):
-  """One chunk's logit gradient, its logits recomputed: in h's dtype (Pallas) or float32."""
+  """One chunk's logit gradient, its logits recomputed: in h's dtype (kernels) or float32."""
   if cfg.impl == "pallas":
     from jaxfuse.kernels.pallas import cross_entropy as kernels
 
     kernel = functools.partial(kernels.logit_grad, softcap=cfg.softcap,
                                smoothing=bool(cfg.label_smoothing), interpret=cfg.interpret)
+    twin = functools.partial(_xla_logit_grad, cfg=cfg)
+    return base.kernel_call(kernel, twin, hc, weight, bias, yc, lse, a, b, c)
+  if cfg.impl == "triton":
+    from jaxfuse.kernels.triton import cross_entropy as triton_kernels
+
+    kernel = functools.partial(triton_kernels.logit_grad, softcap=cfg.softcap,
+                               smoothing=bool(cfg.label_smoothing))
     twin = functools.partial(_xla_logit_grad, cfg=cfg)
     return base.kernel_call(kernel, twin, hc, weight, bias, yc, lse, a, b, c)
   z = _xla_logits(hc, weight, bias, cfg)

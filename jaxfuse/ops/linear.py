@@ -27,9 +27,10 @@ import jax.numpy as jnp
 from jaxfuse.kernels.pallas import linear as pallas_linear
 from jaxfuse.ops import base, checks, dispatch
 
-# Matmuls: XLA (cuBLAS on GPUs) comes first; the Pallas kernels are there for fusion work and
-# for measurement. dense has no kernel of its own: its products are XLA's.
-RECOMPUTE_LINEAR = base.Op("recompute_linear", ("pallas", "xla"), base.MATMUL_GPU_ORDER)
+# Matmuls: XLA (cuBLAS on GPUs) comes first; the Pallas and Triton kernels are there for fusion
+# work and for measurement. dense has no kernel of its own: its products are XLA's.
+RECOMPUTE_LINEAR = base.Op("recompute_linear", ("pallas", "triton", "xla"),
+                           base.MATMUL_GPU_ORDER)
 DENSE = base.Op("dense", ("xla",), base.MATMUL_GPU_ORDER)
 
 
@@ -166,8 +167,8 @@ def recompute_linear(x: jax.Array, weight: jax.Array, bias: jax.Array | None = N
     x: ``[..., in]`` float array.
     weight: ``[out, in]`` (torch's ``nn.Linear`` layout), same dtype as ``x``.
     bias: ``[out]`` or None.
-    implementation: ``None``, ``"pallas"`` (tiled matmul kernels with the bias add fused into
-      the forward and ``dx``, ``dweight``, ``dbias`` as kernels) or ``"xla"``.
+    implementation: ``None``, ``"xla"``, or ``"pallas"`` / ``"triton"`` (tiled matmul kernels
+      with the bias add fused into the forward and ``dx``, ``dweight``, ``dbias`` as kernels).
 
   Returns:
     ``[..., out]`` in ``x``'s dtype (float32 accumulation).
@@ -203,9 +204,14 @@ def _xla_backward(x, weight, bias, g):
 def _forward(x, weight, bias, cfg):
   if cfg.impl == "xla":
     return linear_reference(x, weight, bias)
-  kernel = functools.partial(pallas_linear.matmul, interpret=cfg.interpret, name="linear_fwd")
-  y = base.kernel_call(lambda x2, w, b: kernel(x2, w, bias=b), linear_reference,
-                       x.reshape(-1, x.shape[-1]), weight, bias)
+  if cfg.impl == "triton":
+    from jaxfuse.kernels.triton import linear as triton_linear
+
+    kernel = triton_linear.linear_forward
+  else:
+    matmul = functools.partial(pallas_linear.matmul, interpret=cfg.interpret, name="linear_fwd")
+    kernel = lambda x2, w, b: matmul(x2, w, bias=b)  # noqa: E731
+  y = base.kernel_call(kernel, linear_reference, x.reshape(-1, x.shape[-1]), weight, bias)
   return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
@@ -224,7 +230,12 @@ def _pallas_backward(x2, weight, bias, g2, interpret):
 def _backward(x, weight, bias, g, cfg):
   if cfg.impl == "xla":
     return _xla_backward(x, weight, bias, g)
-  kernel = functools.partial(_pallas_backward, interpret=cfg.interpret)
+  if cfg.impl == "triton":
+    from jaxfuse.kernels.triton import linear as triton_linear
+
+    kernel = triton_linear.linear_backward
+  else:
+    kernel = functools.partial(_pallas_backward, interpret=cfg.interpret)
   dx, dw, db = base.kernel_call(kernel, _xla_backward, x.reshape(-1, x.shape[-1]), weight,
                                 bias, g.reshape(-1, g.shape[-1]))
   return dx.reshape(x.shape), dw, db

@@ -13,9 +13,9 @@ the normalized output. The backward kernel recomputes the normalized rows from t
 and arithmetic are float32 for every input dtype; outputs are rounded once.
 
 Implementations: ``"pallas"`` (GPU kernels; interpret mode on CPU for tests), ``"triton"``
-(:func:`rms_norm` only, through jax-triton) and ``"xla"``, a ``custom_vjp`` with hand-written
-backward formulas, arranged so that XLA:CPU fuses each reduction with its elementwise inputs and
-keeps no full-size temporaries.
+(``@triton.jit`` kernels through jax-triton; not for :func:`add_rms_norm_unfused`) and
+``"xla"``, a ``custom_vjp`` with hand-written backward formulas, arranged so that XLA:CPU fuses
+each reduction with its elementwise inputs and keeps no full-size temporaries.
 
 Derivatives: reverse mode to any order, on every implementation: ``jax.grad`` of a function of
 ``jax.grad`` and Hessian-vector products by forward over reverse
@@ -51,10 +51,10 @@ from jaxfuse.kernels.pallas import elementwise as pallas_elementwise
 from jaxfuse.kernels.pallas import normalization as pallas_norm
 from jaxfuse.ops import base, checks
 
-LAYER_NORM = base.Op("layer_norm", ("pallas", "xla"))
+LAYER_NORM = base.Op("layer_norm", ("pallas", "triton", "xla"))
 RMS_NORM = base.Op("rms_norm", ("pallas", "triton", "xla"))
-ADD_LAYER_NORM = base.Op("add_layer_norm", ("pallas", "xla"))
-ADD_RMS_NORM = base.Op("add_rms_norm", ("pallas", "xla"))
+ADD_LAYER_NORM = base.Op("add_layer_norm", ("pallas", "triton", "xla"))
+ADD_RMS_NORM = base.Op("add_rms_norm", ("pallas", "triton", "xla"))
 ADD_RMS_NORM_UNFUSED = base.Op("add_rms_norm_unfused", ("pallas", "xla"))
 
 
@@ -131,6 +131,13 @@ def _config(op: base.Op, x, implementation, *, centered, eps) -> _Config:
   if cfg.impl == "pallas" and x.shape[-1] > pallas_norm.MAX_HIDDEN:
     raise ValueError(f"{op.name}: implementation='pallas' takes a hidden size (x.shape[-1]) of "
                      f"at most {pallas_norm.MAX_HIDDEN}, got {x.shape[-1]}; use 'xla'")
+  if cfg.impl == "triton":
+    from jaxfuse.kernels.triton import normalization as triton_norm
+
+    if x.shape[-1] > triton_norm.MAX_HIDDEN:
+      raise ValueError(f"{op.name}: implementation='triton' takes a hidden size (x.shape[-1]) "
+                       f"of at most {triton_norm.MAX_HIDDEN}, got {x.shape[-1]}; use 'pallas' "
+                       f"or 'xla'")
   return cfg
 
 
@@ -149,7 +156,7 @@ def layer_norm(x: jax.Array, scale: jax.Array | None = None, bias: jax.Array | N
     scale: ``(H,)`` or None. May have another float dtype than ``x`` (its gradient has its own).
     bias: ``(H,)`` or None.
     eps: added to the variance.
-    implementation: ``None`` (the fastest here), ``"pallas"`` or ``"xla"``.
+    implementation: ``None`` (the fastest here), ``"pallas"``, ``"triton"`` or ``"xla"``.
 
   Returns:
     The normalized ``x``, in ``x``'s dtype.
@@ -341,31 +348,9 @@ def _xla_backward(rows, g, g_sum, scale, mean, rstd, *, has_bias):
 # Forward and backward ---------------------------------------------------------------------------
 
 
-def _triton_forward(x, residual, scale, bias, *, eps):
-  """The Triton kernel's ``(y, rstd)`` in the shape of the other implementations' outputs
-  (RMSNorm without residual or bias: ``residual`` and ``bias`` are None)."""
-  del residual, bias
-  from jaxfuse.kernels.triton import normalization as triton_norm
-
-  y, rstd = triton_norm.rms_norm_forward(x, scale, eps=eps)
-  return y, None, None, rstd
-
-
-def _triton_backward(rows, g, g_sum, scale, mean, rstd):
-  """The Triton kernel's ``(dx, dscale)`` as ``(dx, dscale, None)`` (``g_sum`` and ``mean``
-  are None)."""
-  del g_sum, mean
-  from jaxfuse.kernels.triton import normalization as triton_norm
-
-  dx, dscale = triton_norm.rms_norm_backward(rows, g, scale, rstd)
-  return dx, dscale, None
-
-
 def _forward(x, residual, scale, bias, cfg, *, store_stats):
   """``(y, z, mean, rstd)``: z is None without a residual; the float32 ``(rows, 1)``
   statistics are None unless ``store_stats`` (and the mean for RMSNorm always is)."""
-  if cfg.impl == "triton":
-    store_stats = True  # the Triton kernel always writes rstd
   twin = functools.partial(_xla_forward, centered=cfg.centered, eps=cfg.eps,
                            store_stats=store_stats)
   if cfg.impl == "pallas":
@@ -373,7 +358,10 @@ def _forward(x, residual, scale, bias, cfg, *, store_stats):
                                store_stats=store_stats, interpret=cfg.interpret)
     return base.kernel_call(kernel, twin, x, residual, scale, bias)
   if cfg.impl == "triton":
-    kernel = functools.partial(_triton_forward, eps=cfg.eps)
+    from jaxfuse.kernels.triton import normalization as triton_norm
+
+    kernel = functools.partial(triton_norm.forward, eps=cfg.eps, centered=cfg.centered,
+                               store_stats=store_stats)
     return base.kernel_call(kernel, twin, x, residual, scale, bias)
   return twin(x, residual, scale, bias)
 
@@ -386,7 +374,10 @@ def _backward(rows, g, g_sum, scale, bias, mean, rstd, cfg):
                                interpret=cfg.interpret)
     return base.kernel_call(kernel, twin, rows, g, g_sum, scale, mean, rstd)
   if cfg.impl == "triton":
-    return base.kernel_call(_triton_backward, twin, rows, g, g_sum, scale, mean, rstd)
+    from jaxfuse.kernels.triton import normalization as triton_norm
+
+    kernel = functools.partial(triton_norm.backward, has_bias=bias is not None)
+    return base.kernel_call(kernel, twin, rows, g, g_sum, scale, mean, rstd)
   return twin(rows, g, g_sum, scale, mean, rstd)
 
 

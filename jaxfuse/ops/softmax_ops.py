@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jaxfuse.kernels.pallas import softmax as pallas_softmax
 from jaxfuse.ops import base, checks
 
-SOFTMAX = base.Op("softmax", ("pallas", "xla"), base.KERNEL_GPU_ORDER)
+SOFTMAX = base.Op("softmax", ("pallas", "triton", "xla"), base.KERNEL_GPU_ORDER)
 
 
 # Reference --------------------------------------------------------------------------------------
@@ -84,7 +84,8 @@ def softmax(x: jax.Array, *, axis: int = -1, scale: float = 1.0, mask: jax.Array
     mask: an optional boolean array broadcastable to ``x``; True keeps an entry, False drops it
       (its probability is 0). A row with no kept entry (or whose entries are all ``-inf``) comes
       out as zeros, and its gradient as zeros. ``torch.softmax`` returns NaN for such a row.
-    implementation: ``None`` (Pallas on GPUs, XLA elsewhere), ``"pallas"`` or ``"xla"``.
+    implementation: ``None`` (Pallas on GPUs, XLA elsewhere), ``"pallas"``, ``"triton"`` or
+      ``"xla"``.
 
   Returns:
     An array like ``x`` whose entries along ``axis`` are non-negative and sum to 1. An empty
@@ -124,16 +125,34 @@ def _xla_backward(y, g, axis, scale):
   return (scale * yc * (gc - dot)).astype(y.dtype)
 
 
-def _forward(x, mask, cfg):
+def _forward_kernel(cfg):
+  """The forward kernel of ``cfg.impl`` over 2-D rows, ``(rows, mask_rows) -> y``."""
   if cfg.impl == "pallas":
+    return functools.partial(pallas_softmax.softmax_forward, scale=cfg.scale,
+                             interpret=cfg.interpret)
+  from jaxfuse.kernels.triton import softmax as triton_softmax
+
+  return functools.partial(triton_softmax.softmax_forward, scale=cfg.scale)
+
+
+def _backward_kernel(cfg):
+  """The backward kernel of ``cfg.impl`` over 2-D rows, ``(y, g) -> dx``."""
+  if cfg.impl == "pallas":
+    return functools.partial(pallas_softmax.softmax_backward, scale=cfg.scale,
+                             interpret=cfg.interpret)
+  from jaxfuse.kernels.triton import softmax as triton_softmax
+
+  return functools.partial(triton_softmax.softmax_backward, scale=cfg.scale)
+
+
+def _forward(x, mask, cfg):
+  if cfg.impl in ("pallas", "triton"):
     rows, undo = _to_rows(x, cfg.axis)
     mask_rows = None
     if mask is not None:
       mask_rows, _ = _to_rows(jnp.broadcast_to(mask, x.shape), cfg.axis)
-    kernel = functools.partial(pallas_softmax.softmax_forward, scale=cfg.scale,
-                               interpret=cfg.interpret)
     twin = functools.partial(_rows_reference, scale=cfg.scale)
-    return undo(base.kernel_call(kernel, twin, rows, mask_rows))
+    return undo(base.kernel_call(_forward_kernel(cfg), twin, rows, mask_rows))
   return softmax_reference(x, axis=cfg.axis, scale=cfg.scale, mask=mask)
 
 
@@ -142,13 +161,11 @@ def _rows_reference(rows, mask_rows, scale):
 
 
 def _backward(y, g, cfg):
-  if cfg.impl == "pallas":
+  if cfg.impl in ("pallas", "triton"):
     y_rows, undo = _to_rows(y, cfg.axis)
     g_rows, _ = _to_rows(g, cfg.axis)
-    kernel = functools.partial(pallas_softmax.softmax_backward, scale=cfg.scale,
-                               interpret=cfg.interpret)
     twin = functools.partial(_xla_backward, axis=-1, scale=cfg.scale)
-    return undo(base.kernel_call(kernel, twin, y_rows, g_rows))
+    return undo(base.kernel_call(_backward_kernel(cfg), twin, y_rows, g_rows))
   return _xla_backward(y, g, cfg.axis, cfg.scale)
 
 

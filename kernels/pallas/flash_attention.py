@@ -99,6 +99,10 @@ class BlockSizes:
 # Starting points for a Hopper-class GPU, keyed by (padded head dim, bytes per element): tiles
 # shrink as the head dim and the element size grow, to keep the q tile, the double-buffered
 # k/v tiles and the accumulators within shared memory and registers. `autotune` refines them.
+# float32 products are IEEE (no tensor cores): Triton computes them with FMAs, whose operands
+# and accumulators live in registers, so the float32 tiles are small and spread over 8 warps.
+# Every entry compiles for sm_90a without spilling registers (`python -m benchmarks kernels`
+# measures them, tests/test_kernel_resources.py checks the 2-byte ones).
 HEURISTIC_TABLE: dict[tuple[int, int], BlockSizes] = {
     (64, 2): BlockSizes(128, 64, 64, 64, 64, 64, num_warps=4, num_stages=3,
                         num_warps_bwd=4, num_stages_bwd=2),
@@ -106,12 +110,12 @@ HEURISTIC_TABLE: dict[tuple[int, int], BlockSizes] = {
                          num_warps_bwd=8, num_stages_bwd=2),
     (256, 2): BlockSizes(64, 32, 32, 32, 32, 32, num_warps=8, num_stages=2,
                          num_warps_bwd=8, num_stages_bwd=1),
-    (64, 4): BlockSizes(64, 64, 64, 32, 32, 64, num_warps=4, num_stages=2,
-                        num_warps_bwd=4, num_stages_bwd=2),
-    (128, 4): BlockSizes(64, 32, 32, 32, 32, 32, num_warps=8, num_stages=2,
-                         num_warps_bwd=8, num_stages_bwd=1),
-    (256, 4): BlockSizes(32, 32, 16, 32, 32, 16, num_warps=8, num_stages=1,
-                         num_warps_bwd=8, num_stages_bwd=1),
+    (64, 4): BlockSizes(64, 32, 64, 32, 32, 32, num_warps=8, num_stages=2,
+                        num_warps_bwd=8, num_stages_bwd=2),
+    (128, 4): BlockSizes(32, 32, 32, 16, 32, 32, num_warps=8, num_stages=2,
+                         num_warps_bwd=8, num_stages_bwd=2),
+    (256, 4): BlockSizes(32, 16, 32, 32, 32, 16, num_warps=4, num_stages=2,
+                         num_warps_bwd=8, num_stages_bwd=2),
 }
 
 MAX_HEAD_DIM = 256

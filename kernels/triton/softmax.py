@@ -3,11 +3,12 @@ through jax-triton.
 
 Each program owns ``BLOCK_R`` rows of a ``ROWS x N`` array and walks their columns in
 ``N_CHUNKS`` power-of-2 chunks of ``BLOCK_N``. A row that fits in one chunk is read once and
-written once. A longer row is read twice: once for its running max and sum (the online-softmax
-update, ``l = l * exp(m - m_new) + sum(exp(z - m_new))``), once to write the result. Entries
-whose int8 mask is 0, and columns past ``N``, count as ``-inf``; the running max starts at
-:data:`FLOOR` instead of ``-inf``, so a row with no kept entry gives ``exp(-inf) = 0`` everywhere
-(never ``inf - inf``) and its sum of 0 is lifted to 1: it comes out as zeros.
+written once. A longer row is read twice: once for its running max ``m`` and sum ``total`` (the
+online-softmax update ``total = total * exp(m - m_new) + sum(exp(z - m_new))``), once to write
+the result. Entries whose int8 mask is 0, and columns past ``N``, count as ``-inf``; the running
+max starts at :data:`FLOOR` instead of ``-inf``, so a row with no kept entry gives
+``exp(-inf) = 0`` everywhere (never ``inf - inf``) and its sum of 0 is lifted to 1: it comes
+out as zeros.
 
 The backward, ``dx = SCALE * y * (g - sum(g * y))``, needs only the output ``y``; rows longer than
 one chunk are read twice (once for the sum). Arithmetic is float32; outputs are stored in their
@@ -63,22 +64,22 @@ def softmax_fwd_kernel(x_ptr, mask_ptr, y_ptr, ROWS: tl.constexpr, N: tl.constex
     z = _logits(x_ptr, mask_ptr, offsets, inside, SCALE, HAS_MASK)
     m = tl.maximum(tl.max(z, axis=1), FLOOR)
     e = tl.exp(z - m[:, None])
-    inv_l = 1.0 / tl.maximum(tl.sum(e, axis=1), 1.0)
-    tl.store(y_ptr + offsets, (e * inv_l[:, None]).to(y_ptr.dtype.element_ty), mask=inside)
+    inv_total = 1.0 / tl.maximum(tl.sum(e, axis=1), 1.0)
+    tl.store(y_ptr + offsets, (e * inv_total[:, None]).to(y_ptr.dtype.element_ty), mask=inside)
   else:
     m = tl.full([BLOCK_R], FLOOR, tl.float32)
-    l = tl.zeros([BLOCK_R], dtype=tl.float32)
+    total = tl.zeros([BLOCK_R], dtype=tl.float32)
     for c in range(N_CHUNKS):
       offsets, inside = _offsets(rows, c * BLOCK_N + cols, ROWS, N)
       z = _logits(x_ptr, mask_ptr, offsets, inside, SCALE, HAS_MASK)
       m_new = tl.maximum(m, tl.max(z, axis=1))
-      l = l * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new[:, None]), axis=1)
+      total = total * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new[:, None]), axis=1)
       m = m_new
-    inv_l = 1.0 / tl.maximum(l, 1.0)
+    inv_total = 1.0 / tl.maximum(total, 1.0)
     for c in range(N_CHUNKS):
       offsets, inside = _offsets(rows, c * BLOCK_N + cols, ROWS, N)
       z = _logits(x_ptr, mask_ptr, offsets, inside, SCALE, HAS_MASK)
-      y = tl.exp(z - m[:, None]) * inv_l[:, None]
+      y = tl.exp(z - m[:, None]) * inv_total[:, None]
       tl.store(y_ptr + offsets, y.to(y_ptr.dtype.element_ty), mask=inside)
 
 

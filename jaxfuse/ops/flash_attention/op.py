@@ -8,11 +8,13 @@ and exist anyway). The backward recomputes the probabilities tile by tile from `
 ``dk = dsᵀ q · scale``, ``dv = pᵀ do``. Tiles that the causal mask excludes are skipped, not
 masked.
 
-Two implementations share that contract:
+Three implementations share that contract:
 
 - ``"pallas"``: FlashAttention-style kernels for GPUs (:mod:`jaxfuse.kernels.pallas.
   flash_attention`): one forward kernel, one ``dq`` kernel and one ``dk/dv`` kernel, plus a
   ``dbias`` kernel when a bias is given. Tile sizes come from :mod:`.tuning`.
+- ``"triton"``: the same kernels written in Triton and called through jax-triton
+  (:mod:`jaxfuse.kernels.triton.flash_attention`), on the same tile sizes.
 - ``"xla"``: the same algorithm in plain ``jax.lax`` for CPUs (:mod:`.xla`).
 
 Layout is ``[batch, seq, heads, head_dim]``, as in :func:`jax.nn.dot_product_attention` and
@@ -62,14 +64,14 @@ from jaxfuse.kernels.pallas.flash_attention import BlockSizes
 from jaxfuse.ops import base
 from jaxfuse.ops.flash_attention import arguments, reference, tuning, xla
 
-ATTENTION = base.Op("attention", ("pallas", "xla"), base.KERNEL_GPU_ORDER)
+ATTENTION = base.Op("attention", ("pallas", "triton", "xla"), base.KERNEL_GPU_ORDER)
 
 
 @dataclasses.dataclass(frozen=True)
 class Config(base.Config):
   causal: str | None          # None, "top_left" or "bottom_right"
   scale: float
-  blocks: BlockSizes | None   # the Pallas kernels' tiles
+  blocks: BlockSizes | None   # the Pallas and Triton kernels' tiles
   xla_block: int              # the XLA path's tile
   sliding_window: int | None = None
   softcap: float | None = None
@@ -101,8 +103,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool | str = 
       any float dtype. Differentiable.
     sliding_window: with ``causal``, each query sees at most this many keys, itself included.
     logit_softcap: scores become ``c · tanh(scores / c)`` before the bias and the masks.
-    implementation: ``None`` (the fastest here: Pallas on GPUs, XLA on CPUs), ``"pallas"`` or
-      ``"xla"``.
+    implementation: ``None`` (the fastest here: Pallas on GPUs, XLA on CPUs), ``"pallas"``,
+      ``"triton"`` or ``"xla"``.
 
   Returns:
     ``[batch, q_len, heads, head_dim]`` in the dtype of ``q``. Rows that see no key are zero.
@@ -124,7 +126,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool | str = 
   arguments.check_window_and_softcap(op, sliding_window, logit_softcap, causal)
   backend = ATTENTION.backend(implementation)
   b, tq, hq, d = q.shape
-  if implementation is None and backend["impl"] == "pallas" and d > pallas_attention.MAX_HEAD_DIM:
+  if (implementation is None and backend["impl"] in ("pallas", "triton")
+      and d > pallas_attention.MAX_HEAD_DIM):
     backend = {"impl": "xla", "interpret": False}  # the kernels' tiles would not fit
   tk = k.shape[1]
   scale = arguments.default_scale(scale, d)
@@ -136,11 +139,11 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool | str = 
     kv_lengths = kv_lengths.astype(jnp.int32)
   if bias is not None:
     bias = arguments.expand_bias(bias, tq, tk)
-  pallas = backend["impl"] == "pallas"
+  kernels = backend["impl"] in ("pallas", "triton")
   blocks = (tuning.block_sizes_for(q, k, causal=causal is not None, has_bias=bias is not None)
-            if pallas else None)
+            if kernels else None)
   cfg = Config(**backend, causal=causal, scale=scale, blocks=blocks,
-               xla_block=0 if pallas else xla.xla_block_size(tq, tk),
+               xla_block=0 if kernels else xla.xla_block_size(tq, tk),
                sliding_window=sliding_window,
                softcap=None if logit_softcap is None else float(logit_softcap))
   with jax.named_scope(f"jaxfuse.attention[{cfg.impl}]"):
@@ -151,7 +154,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool | str = 
 
 
 def _pallas_masks(cfg):
-  """The Pallas kernels' mask and soft-cap arguments."""
+  """The Pallas (and Triton) kernels' mask and soft-cap arguments."""
   return dict(causal=cfg.causal, window=cfg.sliding_window, softcap=cfg.softcap)
 
 #
@@ -175,10 +178,16 @@ def _reference_backward(q, k, v, q_seg, kv_seg, kv_lengths, bias, o, lse, do, *,
 def _forward(q, k, v, q_seg, kv_seg, kv_lengths, bias, cfg, with_lse=True):
   twin = functools.partial(reference.forward_with_lse, causal=cfg.causal, scale=cfg.scale,
                            window=cfg.sliding_window, softcap=cfg.softcap,
-                           base2=cfg.impl == "pallas")
-  if cfg.impl == "pallas":
-    kernel = functools.partial(pallas_attention.forward, **_pallas_masks(cfg),
-                               scale=cfg.scale, blocks=cfg.blocks, interpret=cfg.interpret)
+                           base2=cfg.impl in ("pallas", "triton"))
+  if cfg.impl in ("pallas", "triton"):
+    if cfg.impl == "pallas":
+      kernel = functools.partial(pallas_attention.forward, **_pallas_masks(cfg),
+                                 scale=cfg.scale, blocks=cfg.blocks, interpret=cfg.interpret)
+    else:
+      from jaxfuse.kernels.triton import flash_attention as triton_attention
+
+      kernel = functools.partial(triton_attention.forward, **_pallas_masks(cfg),
+                                 scale=cfg.scale, blocks=cfg.blocks)
     if not with_lse:
       output_only = functools.partial(kernel, with_lse=False)
       return base.kernel_call(lambda *a: output_only(*a)[0], lambda *a: twin(*a)[0], q, k, v,
@@ -192,6 +201,11 @@ def _backward(q, k, v, q_seg, kv_seg, kv_lengths, bias, o, lse, do, cfg):
   if cfg.impl == "pallas":
     kernel = functools.partial(pallas_attention.backward, **_pallas_masks(cfg),
                                scale=cfg.scale, blocks=cfg.blocks, interpret=cfg.interpret)
+  elif cfg.impl == "triton":
+    from jaxfuse.kernels.triton import flash_attention as triton_attention
+
+    kernel = functools.partial(triton_attention.backward, **_pallas_masks(cfg),
+                               scale=cfg.scale, blocks=cfg.blocks)
   else:
     kernel = functools.partial(xla.backward, cfg=cfg)
   twin = functools.partial(_reference_backward, cfg=cfg)

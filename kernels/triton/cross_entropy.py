@@ -1,0 +1,229 @@
+"""Triton kernels of the fused linear cross-entropy (``@triton.jit``, called from JAX through
+jax-triton): per-token statistics and the logit gradient.
+
+They are the Pallas kernels of :mod:`jaxfuse.kernels.pallas.cross_entropy` written for Triton,
+with the same math:
+
+- ``xent_stats_kernel``, grid (token blocks,): each program walks the vocabulary in tiles of
+  ``BV``. A tile's logits ``h @ w.T (+ bias)`` are made in registers (a loop over the hidden
+  axis in steps of ``BD``), soft-capped, and folded into an online logsumexp, the target logit
+  (gathered where the column is the label; a label outside ``[0, V)`` gathers 0), the sum of
+  the logits and the running argmax (the first column of the maximum). No logits reach memory.
+- ``xent_logit_grad_kernel``, grid (token blocks, vocabulary tiles): each program recomputes its
+  tile's logits and writes the logit gradient ``a * softmax - b * onehot(label) - c`` (``c``
+  only with ``SMOOTHING``), times the soft-cap's derivative ``1 - (z / cap)²``; the caller
+  multiplies it into ``dh`` and ``dweight``.
+
+``h [N, D]`` and ``w [V, D]`` are read in power-of-2 tiles (at least 16, as ``tl.dot`` needs)
+whose tails are masked, so no size needs to be a multiple of a block. float32 inputs multiply
+exactly (``"ieee"``), as the Pallas kernels' ``HIGHEST``; the statistics are float32 and the
+argmax int32. The same kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, torch CPU
+tensors), which is how CPU tests check them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import triton
+import triton.language as tl
+
+from .elementwise import activation
+
+# GPU tiles: tokens x vocabulary x hidden (the Pallas kernels' GPU tiles).
+GPU_BLOCKS = (64, 128, 32)
+NUM_WARPS = 4
+NUM_STAGES = 2
+_NEG_INF = tl.constexpr(float("-inf"))
+_INT_MAX = tl.constexpr(2**31 - 1)
+
+
+@triton.jit
+def _tile_logits(h_ptr, w_ptr, b_ptr, rows, rows_ok, cols, cols_ok, D: tl.constexpr,
+                 BT: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr, SOFTCAP: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr):
+  """The ``[BT, BV]`` logits of one tile in float32, soft-capped; a loop over the hidden axis."""
+  acc = tl.zeros((BT, BV), tl.float32)
+  for d0 in range(0, D, BD):
+    dd = d0 + tl.arange(0, BD)
+    d_ok = dd < D
+    hb = tl.load(h_ptr + rows[:, None].to(tl.int64) * D + dd[None, :],
+                 mask=rows_ok[:, None] & d_ok[None, :], other=0.0)
+    wb = tl.load(w_ptr + cols[:, None].to(tl.int64) * D + dd[None, :],
+                 mask=cols_ok[:, None] & d_ok[None, :], other=0.0)
+    acc += tl.dot(hb, tl.trans(wb), input_precision=PRECISION)
+  if HAS_BIAS:
+    acc += tl.load(b_ptr + cols, mask=cols_ok, other=0.0).to(tl.float32)[None, :]
+  if SOFTCAP > 0:
+    acc = SOFTCAP * activation(acc * (1.0 / SOFTCAP), "tanh")
+  return acc
+
+
+@triton.jit
+def xent_stats_kernel(h_ptr, w_ptr, b_ptr, y_ptr, lse_ptr, tgt_ptr, sum_ptr, arg_ptr,
+                      N: tl.constexpr, V: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
+                      BV: tl.constexpr, BD: tl.constexpr, SOFTCAP: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr):
+  """Per token of one block: logsumexp, target logit, sum of logits (float32), argmax (int32)."""
+  rows = tl.program_id(0) * BT + tl.arange(0, BT)
+  rows_ok = rows < N
+  labels = tl.load(y_ptr + rows, mask=rows_ok, other=-1)
+  m = tl.full((BT,), _NEG_INF, tl.float32)
+  s = tl.zeros((BT,), tl.float32)
+  target = tl.zeros((BT,), tl.float32)
+  total = tl.zeros((BT,), tl.float32)
+  best = tl.zeros((BT,), tl.int32)
+  for col0 in range(0, V, BV):
+    cols = col0 + tl.arange(0, BV)
+    cols_ok = cols < V
+    z = _tile_logits(h_ptr, w_ptr, b_ptr, rows, rows_ok, cols, cols_ok, D, BT, BV, BD, SOFTCAP,
+                     HAS_BIAS, PRECISION)
+    z = tl.where(cols_ok[None, :], z, _NEG_INF)
+    tile_max = tl.max(z, axis=1)
+    m_new = tl.maximum(m, tile_max)
+    s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new[:, None]), axis=1)
+    hit = (cols[None, :] == labels[:, None]) & cols_ok[None, :]  # labels >= V gather 0
+    target += tl.sum(tl.where(hit, z, 0.0), axis=1)
+    total += tl.sum(tl.where(cols_ok[None, :], z, 0.0), axis=1)
+    first = tl.min(tl.where(z == tile_max[:, None], cols[None, :], _INT_MAX), axis=1)
+    best = tl.where(tile_max > m, first, best)
+    m = m_new
+  tl.store(lse_ptr + rows, m + tl.log(s), mask=rows_ok)
+  tl.store(tgt_ptr + rows, target, mask=rows_ok)
+  tl.store(sum_ptr + rows, total, mask=rows_ok)
+  tl.store(arg_ptr + rows, best, mask=rows_ok)
+
+
+@triton.jit
+def xent_logit_grad_kernel(h_ptr, w_ptr, b_ptr, y_ptr, lse_ptr, a_ptr, b2_ptr, c_ptr, dz_ptr,
+                           N: tl.constexpr, V: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
+                           BV: tl.constexpr, BD: tl.constexpr, SOFTCAP: tl.constexpr,
+                           HAS_BIAS: tl.constexpr, SMOOTHING: tl.constexpr,
+                           PRECISION: tl.constexpr):
+  """``dz = a * exp(z - lse) - b * onehot(label) - c`` of one (token block, vocabulary tile)."""
+  rows = tl.program_id(0) * BT + tl.arange(0, BT)
+  cols = tl.program_id(1) * BV + tl.arange(0, BV)
+  rows_ok = rows < N
+  cols_ok = cols < V
+  labels = tl.load(y_ptr + rows, mask=rows_ok, other=-1)
+  lse = tl.load(lse_ptr + rows, mask=rows_ok, other=0.0)
+  a = tl.load(a_ptr + rows, mask=rows_ok, other=0.0)
+  b = tl.load(b2_ptr + rows, mask=rows_ok, other=0.0)
+  z = _tile_logits(h_ptr, w_ptr, b_ptr, rows, rows_ok, cols, cols_ok, D, BT, BV, BD, SOFTCAP,
+                   HAS_BIAS, PRECISION)
+  p = tl.exp(z - lse[:, None])
+  dz = p * a[:, None] - tl.where(cols[None, :] == labels[:, None], b[:, None], 0.0)
+  if SMOOTHING:
+    dz -= tl.load(c_ptr + rows, mask=rows_ok, other=0.0)[:, None]
+  if SOFTCAP > 0:
+    t = z * (1.0 / SOFTCAP)
+    dz = dz * (1.0 - t * t)
+  tl.store(dz_ptr + rows[:, None].to(tl.int64) * V + cols[None, :],
+           dz.to(dz_ptr.dtype.element_ty), mask=rows_ok[:, None] & cols_ok[None, :])
+
+
+# The jax-triton wrappers -----------------------------------------------------------------------
+
+
+def _block(n: int, cap: int) -> int:
+  """The power-of-2 block covering ``n``, at most ``cap`` and at least 16 (``tl.dot``'s
+  smallest)."""
+  return max(16, min(cap, 1 if n <= 1 else 1 << (int(n) - 1).bit_length()))
+
+
+def block_sizes(n: int, v: int, d: int, blocks=None) -> tuple[int, int, int]:
+  """``(BT, BV, BD)``: token, vocabulary and hidden tiles (``blocks`` caps them; default
+  :data:`GPU_BLOCKS`)."""
+  bt, bv, bd = blocks or GPU_BLOCKS
+  return _block(n, bt), _block(v, bv), _block(d, bd)
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+  """One kernel launch as the wrappers make it; the tests launch the same under the
+  interpreter."""
+
+  kernel: object
+  grid: tuple[int, ...]
+  constants: dict
+  num_warps: int = NUM_WARPS
+  num_stages: int = NUM_STAGES
+
+
+def _constants(n, v, d, blocks, softcap, has_bias, dtype_name) -> dict:
+  bt, bv, bd = block_sizes(n, v, d, blocks)
+  return dict(N=n, V=v, D=d, BT=bt, BV=bv, BD=bd, SOFTCAP=float(softcap or 0.0),
+              HAS_BIAS=bool(has_bias), PRECISION="ieee" if dtype_name == "float32" else "tf32")
+
+
+def stats_launch(n: int, v: int, d: int, *, softcap=None, has_bias=False, dtype_name="float32",
+                 blocks=None, num_warps=NUM_WARPS) -> Launch:
+  """The statistics kernel's launch for ``h [n, d]``, ``w [v, d]``: grid (token blocks,)."""
+  c = _constants(n, v, d, blocks, softcap, has_bias, dtype_name)
+  return Launch(xent_stats_kernel, (math.ceil(n / c["BT"]),), c, num_warps)
+
+
+def logit_grad_launch(n: int, v: int, d: int, *, softcap=None, has_bias=False,
+                      smoothing=True, dtype_name="float32", blocks=None,
+                      num_warps=NUM_WARPS) -> Launch:
+  """The logit-gradient kernel's launch: grid (token blocks, vocabulary tiles)."""
+  c = _constants(n, v, d, blocks, softcap, has_bias, dtype_name)
+  c["SMOOTHING"] = bool(smoothing)
+  return Launch(xent_logit_grad_kernel, (math.ceil(n / c["BT"]), math.ceil(v / c["BV"])), c,
+                num_warps)
+
+
+def _call(launch: Launch, operands, out_shape):
+  import jax_triton
+
+  return jax_triton.triton_call(
+      *operands, kernel=launch.kernel, out_shape=out_shape, grid=launch.grid,
+      num_warps=launch.num_warps, num_stages=launch.num_stages, **launch.constants)
+
+
+def stats_forward(h, w, bias, labels, *, softcap=None, blocks=None, num_warps=NUM_WARPS):
+  """Per-token logsumexp, target logit, sum of logits and argmax of ``h @ w.T + bias`` (GPU).
+
+  Args:
+    h: ``[N, D]``; w: ``[V, D]``; bias: ``[V]`` or None; labels: ``[N]`` int32 (any value;
+      a label outside ``[0, V)`` gathers 0).
+    softcap: logits become ``softcap * tanh(logits / softcap)`` first.
+    blocks: ``(tokens, vocabulary, hidden)`` tile caps, powers of 2.
+
+  Returns:
+    ``(lse, target, sum, argmax)``, each ``[N]``: float32 and the last int32, as
+    :func:`jaxfuse.kernels.pallas.cross_entropy.stats_forward` returns them.
+  """
+  import jax
+  import jax.numpy as jnp
+
+  n, d = h.shape
+  v = w.shape[0]
+  launch = stats_launch(n, v, d, softcap=softcap, has_bias=bias is not None,
+                        dtype_name=str(h.dtype), blocks=blocks, num_warps=num_warps)
+  out_shape = [jax.ShapeDtypeStruct((n,), jnp.float32)] * 3 + [
+      jax.ShapeDtypeStruct((n,), jnp.int32)]
+  operands = [h, w, h if bias is None else bias, labels]  # h stands in for no bias: not read
+  return tuple(_call(launch, operands, out_shape))
+
+
+def logit_grad(h, w, bias, labels, lse, a, b, c, *, softcap=None, smoothing=True, blocks=None,
+               num_warps=NUM_WARPS, out_dtype=None):
+  """The logit gradient ``[N, V]`` of a chunk of tokens, recomputing the logits tile by tile
+  (GPU).
+
+  ``dz = a * exp(z - lse) - b * onehot(label) - c`` per token (``a, b, c, lse``: ``[N]``
+  float32; ``c`` is read only with ``smoothing``), times ``1 - (z / softcap)**2`` when
+  soft-capped, in ``out_dtype`` (h's dtype by default).
+  """
+  import jax
+
+  n, d = h.shape
+  v = w.shape[0]
+  launch = logit_grad_launch(n, v, d, softcap=softcap, has_bias=bias is not None,
+                             smoothing=smoothing, dtype_name=str(h.dtype), blocks=blocks,
+                             num_warps=num_warps)
+  operands = [h, w, h if bias is None else bias, labels, lse, a, b, c]
+  out_shape = [jax.ShapeDtypeStruct((n, v), out_dtype or h.dtype)]
+  return _call(launch, operands, out_shape)[0]
