@@ -32,6 +32,9 @@ bench-tables: $(STAMP)
 	$(PY) -m benchmarks attention --from-json benchmarks/results/attention-cpu-quick.json $(TABLES)
 	$(PY) -m benchmarks xent --from-json benchmarks/results/xent-cpu-quick.json $(TABLES)
 	$(PY) -m benchmarks train --from-json benchmarks/results/train-cpu-quick.json $(TABLES)
+	$(PY) -m benchmarks train-cli --from-json benchmarks/results/train-cli-cpu.json $(TABLES)
+	$(PY) -m benchmarks layouts --from-json benchmarks/results/layouts-cpu-quick.json --readme benchmarks/README.md
+	$(PY) -m benchmarks kernels --from-json benchmarks/results/kernels-sm90a-quick.json $(TABLES)
 
 bench-quick: $(STAMP) $(VENV)/.compare
 	$(PY) -m benchmarks seed --quick

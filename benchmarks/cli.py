@@ -33,6 +33,7 @@ SUITES = {
     "layouts": "benchmarks.suites.layouts",
     "train": "benchmarks.suites.train",
     "kernels": "benchmarks.suites.kernels",
+    "train-cli": "benchmarks.suites.train_cli",
 }
 # Options that say where tables go, left out of the command a table says it was written by.
 _OUTPUT_OPTIONS = ("--readme", "--headline")

@@ -46,6 +46,10 @@ if [[ $STAGE == bench || $STAGE == all ]]; then
       --plot "$OUT/$suite-gpu.png" > "$OUT/$suite.log" 2>&1 || status=1
     tail -n 40 "$OUT/$suite.log"
   done
+  # Pallas against jax-triton, per case: which kernel set is faster, and by how much.
+  $PY -m benchmarks.compare_paths "$OUT"/*-gpu.json --out "$OUT/pallas_vs_triton.md" \
+    --json "$OUT/pallas_vs_triton.json" > "$OUT/compare_paths.log" 2>&1 || status=1
+  cat "$OUT/compare_paths.log"
 fi
 if [[ $STAGE == kernels || $STAGE == all ]]; then
   timeout 420 $PY -m benchmarks.xla_kernel_check "$OUT" > "$OUT/kernel_check.log" 2>&1 || status=1

@@ -246,6 +246,7 @@ CELLS: dict[str, Callable[[Record], str]] = {
     "stack": lambda r: format_bytes(r.stack_bytes),
     "smem": lambda r: format_bytes(r.smem_bytes),
     "blocks/SM": lambda r: "—" if r.occupancy is None else str(r.occupancy),
+    "final loss": lambda r: "—" if r.final_loss is None else f"{r.final_loss:.3f}",
     "note": lambda r: r.note or "—",
 }
 COLUMNS = ("case", "impl", "dtype", "time ms (min–max)", "ratio", "residual", "bytes moved",
@@ -257,6 +258,7 @@ SUITE_COLUMNS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "kernels": (("case", "impl", "dtype", "arch", "regs", "spill", "stack", "smem", "blocks/SM",
                  "note"),
                 ("case", "impl", "dtype", "arch", "regs", "spill", "smem", "blocks/SM", "note")),
+    "train-cli": (("case", "impl", "dtype", "final loss", "note"),) * 2,
 }
 
 

@@ -9,6 +9,9 @@ and prints both side by side; ``OUT_DIR/kernel_check.json`` keeps the figures. W
 ``triton`` package can load its own cubin on this GPU, the driver's register and spill counts
 of that cubin are listed too. The figures differ where XLA's Triton (its passes, its ptxas)
 differs from the ``triton`` package's; ``benchmarks/gpu_check.sh kernels`` runs this.
+
+Importing this module loads nothing beyond the standard library; on a machine without a GPU
+(or without the ``triton`` package) ``main`` says so and returns 0.
 """
 
 from __future__ import annotations
@@ -27,15 +30,17 @@ def _cases():
 
   from jaxfuse import ops
 
-  def attention(dtype, d, causal):
-    keys = jax.random.split(jax.random.key(0), 3)
-    q, k, v = (jax.random.normal(key, (2, 1024, 8, d), dtype) for key in keys)
+  def attention(dtype, d, causal, bias=False):
+    keys = jax.random.split(jax.random.key(0), 4)
+    q, k, v = (jax.random.normal(key, (2, 1024, 8, d), dtype) for key in keys[:3])
+    args = (q, k, v) + ((jax.random.normal(keys[3], (1, 8, 1024, 1024)),) if bias else ())
 
-    def f(q, k, v):
+    def f(q, k, v, *b):
       return jax.grad(lambda q, k, v: jnp.sum(ops.attention(
-          q, k, v, causal=causal, implementation="pallas").astype(jnp.float32)),
-          argnums=(0, 1, 2))(q, k, v)
-    return f"attention {jnp.dtype(dtype).name} d={d} causal={causal}", f, (q, k, v)
+          q, k, v, causal=causal, bias=b[0] if b else None,
+          implementation="pallas").astype(jnp.float32)), argnums=(0, 1, 2))(q, k, v)
+    label = f"attention {jnp.dtype(dtype).name} d={d} causal={causal}" + (" bias" if bias else "")
+    return label, f, args
 
   def norm(dtype, h):
     x = jax.random.normal(jax.random.key(1), (4096, h), dtype)
@@ -47,6 +52,7 @@ def _cases():
     return f"rms_norm {jnp.dtype(dtype).name} H={h}", f, (x, w)
 
   return [attention(jnp.float16, 128, True), attention(jnp.bfloat16, 64, True),
+          attention(jnp.float16, 64, True, bias=True), attention(jnp.bfloat16, 64, False),
           attention(jnp.float32, 64, True), norm(jnp.bfloat16, 4096)]
 
 
@@ -56,17 +62,15 @@ def _capability() -> int:
   return int(str(jax.devices()[0].compute_capability).replace(".", ""))
 
 
-def _xla_figures(dump_dir: str, capability: int) -> dict[str, dict]:
+def _xla_figures(dump_dir: str, target) -> dict[str, dict]:
   """Entry function -> ``ptxas -v`` figures, over the PTX files XLA dumped."""
   import subprocess
   import tempfile
 
-  from triton.backends.nvidia import compiler as nvidia
-
   from jaxfuse.metrics import kernel_resources as kr
 
-  ptxas = nvidia.get_ptxas(capability).path
-  gpu = f"sm_{capability}a" if capability >= 90 else f"sm_{capability}"
+  ptxas = kr._ptxas_path(target)
+  gpu = target.name
   figures: dict[str, dict] = {}
   for path in sorted(glob.glob(os.path.join(dump_dir, "**", "*.ptx"), recursive=True)):
     with tempfile.TemporaryDirectory() as tmp:
@@ -97,7 +101,12 @@ def _driver_figures(source, target) -> dict | None:
 def main(out_dir: str) -> int:
   dump = os.path.join(out_dir, "xla_dump")
   flags = os.environ.get("XLA_FLAGS", "")
-  if "--xla_dump_to" not in flags:
+  given = re.search(r"--xla_dump_to=(\S+)", flags)
+  if given:
+    dump = given.group(1)
+  else:
+    if "jax" in sys.modules:
+      print("xla_kernel_check: jax was imported before XLA_FLAGS was set: XLA may dump nothing")
     os.environ["XLA_FLAGS"] = f"{flags} --xla_dump_to={dump}".strip()
   import jax
 
@@ -108,10 +117,19 @@ def main(out_dir: str) -> int:
     return 0
   capability = _capability()
   target = kr.arch("sm_90a" if capability >= 90 else "sm_80")
+  missing = kr.missing_toolchain(target)
+  if missing:
+    print(f"xla_kernel_check: cannot compile kernels here, missing {missing}")
+    return 1
   ours: list[dict] = []
   with kr.triton_cache():
     for label, f, args in _cases():
-      jax.block_until_ready(jax.jit(f)(*args))           # XLA compiles (and dumps) the kernels
+      try:
+        jax.block_until_ready(jax.jit(f)(*args))         # XLA compiles (and dumps) the kernels
+      except Exception as e:  # noqa: BLE001 - reported, and the other cases still run
+        print(f"{label}: XLA did not run it: {type(e).__name__}: {str(e)[:300]}")
+        ours.append({"case": label, "name": "-", "error": f"XLA: {type(e).__name__}"})
+        continue
       for source in kr.pallas_kernels(f, *args):
         try:
           r = kr.compile_kernel(source, target).as_dict()
@@ -120,7 +138,7 @@ def main(out_dir: str) -> int:
         r["case"] = label
         r["driver"] = _driver_figures(source, target) if "error" not in r else None
         ours.append(r)
-  xla = _xla_figures(dump, capability)
+  xla = _xla_figures(dump, target)
   print(f"{'case':<34} {'kernel':<22} {'regs us/XLA':>12} {'spill us/XLA':>14} "
         f"{'stack us/XLA':>13} {'static smem us/XLA':>19}  driver")
   for r in ours:

@@ -6,7 +6,8 @@ its bundled ``ptxas``; no GPU) in the configurations of ``benchmarks.suites.kern
 every Pallas kernel and every ``@triton.jit`` kernel an op of ``jaxfuse.ops`` launches, forward
 and backward, at the tiles, warps and stages the heuristics choose on a GPU.
 ``python -m benchmarks kernels`` reports the same figures over more configurations (float32,
-every head dim, the widest rows).
+every head dim, the widest rows). The Pallas attention kernels are also lowered with every
+kind of mask, whose loop bounds differ, and their Triton modules must verify.
 """
 
 from __future__ import annotations
@@ -23,15 +24,6 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 MISSING = kr.missing_toolchain(ARCH)
 needs_toolchain = pytest.mark.skipif(
     MISSING is not None, reason=f"compiling GPU kernels here needs {MISSING}")
-
-# Kernels whose Triton module does not compile today: (kernel, configuration, dtype) -> why.
-# test_known_broken_kernels_compile fails (strict xfail) once they compile.
-KNOWN_BROKEN = {
-    ("attention_bwd_dkdv", "d=64", "bfloat16"): (
-        "non-causal dkdv: `jnp.where(live, nq, 0)` of two Python ints in _query_tiles lowers "
-        "through Pallas' Triton lowering to an i1 select, and the loop bound to an i1: the "
-        "module does not verify (XLA would reject it on a GPU)"),
-}
 
 
 @pytest.fixture(scope="module")
@@ -85,20 +77,48 @@ def test_low_precision_kernels_do_not_spill(compiled):
   assert not spilling, "\n".join(spilling)
 
 
-@needs_toolchain
-@pytest.mark.xfail(strict=True, reason="; ".join(KNOWN_BROKEN.values()))
-def test_known_broken_kernels_compile():
-  """The modules of the kernels in KNOWN_BROKEN verify (lowered only: nothing is compiled)."""
-  from benchmarks.suites import kernels as suite
+# Every mask the Pallas attention kernels take: (label, attention keyword arguments, with the
+# [batch] kv_lengths, with [batch, seq] segment ids). Each changes the kernels' loop bounds.
+MASKS = [
+    ("non-causal", {}, False, False),
+    ("causal", {"causal": True}, False, False),
+    ("bottom-right window softcap", {"causal": "bottom_right", "sliding_window": 100,
+                                     "logit_softcap": 30.0}, True, False),
+    ("non-causal kv_lengths segments", {}, True, True),
+]
 
-  errors = []
-  for kernel, label, dtype in KNOWN_BROKEN:
-    d = int(label.split("=")[1].split()[0])
-    for config in suite.attention_configs(dtype, d, "causal" in label, "bias" in label):
-      if config.kind == "pallas":
-        errors += [f"{kernel} {label} {dtype}: {s.error}" for s in suite.sources(config)
-                   if s.name == kernel and s.error is not None]
-  assert not errors, "\n".join(errors)
+
+@needs_toolchain
+@pytest.mark.parametrize("label,kwargs,lengths,segments", MASKS, ids=[m[0] for m in MASKS])
+def test_attention_modules_verify_with_every_mask(label, kwargs, lengths, segments):
+  """The Triton modules of the Pallas attention kernels verify with every mask (bfloat16,
+  grouped-query heads, forward and backward; lowered only). The loop bounds stay int32: a
+  select of two Python ints lowered to an i1 bound in the non-causal dk/dv kernel once."""
+  import jax
+  import jax.numpy as jnp
+
+  from jaxfuse import ops
+
+  b, t, d = 2, 256, 64
+  q = jax.ShapeDtypeStruct((b, t, 4, d), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((b, t, 2, d), jnp.bfloat16)
+  extra = ([jax.ShapeDtypeStruct((b,), jnp.int32)] if lengths else []) + (
+      [jax.ShapeDtypeStruct((b, t), jnp.int32)] if segments else [])
+
+  def loss(q, k, v, *rest):
+    rest = list(rest)
+    opts = dict(kwargs, kv_lengths=rest.pop(0) if lengths else None,
+                segment_ids=rest.pop(0) if segments else None)
+    return jnp.sum(ops.attention(q, k, v, implementation="pallas", **opts).astype(jnp.float32))
+
+  found = kr.pallas_kernels(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv, *extra)
+  assert {s.name for s in found} >= {"attention_fwd_res", "attention_bwd_dq",
+                                     "attention_bwd_dkdv"}
+  errors = [f"{s.name}: {s.error}" for s in found if s.error is not None]
+  assert not errors, f"{label}:\n" + "\n".join(errors)
+  if label == "non-causal":  # the kernel whose module did not verify compiles, without spills
+    (r,) = kr.compile_kernels([s for s in found if s.name == "attention_bwd_dkdv"], ARCH)
+    assert r.within_limits and not r.spill_bytes, _describe(label, r)
 
 
 # The arithmetic, without a toolchain ---------------------------------------------------------
@@ -117,6 +137,20 @@ ptxas info    : Used 255 registers, used 1 barriers, 1024 bytes smem, 608 bytes 
       "registers": 255, "stack_bytes": 16, "spill_stores": 284, "spill_loads": 372,
       "static_smem": 1024}
   assert kr.parse_ptxas_log(log)["registers"] == 40
+
+
+def test_spills_are_noted_with_their_reason():
+  from benchmarks.suites import kernels as suite
+
+  source = kr.KernelSource(name="norm_bwd_kernel", kind="triton", num_warps=16, num_stages=3,
+                           grid=(1024, 1, 1))
+  r = kr.resources_of(source, ARCH, registers=128, spill_stores=28, spill_loads=28,
+                      stack_bytes=32, dynamic_smem=64, static_smem=0)
+  config = suite.Config("norm", "add_layer_norm H=8192", "float32", "triton", build=None)
+  note = suite.record(config, "norm_bwd_kernel add_layer_norm", r, ARCH, "cpu").note
+  assert "spills 28 B stored + 28 B loaded a thread (float32: a whole float32 row" in note
+  assert suite.spill_note("norm_bwd_kernel", "bfloat16", r) == (
+      "spills 28 B stored + 28 B loaded a thread")
 
 
 def test_occupancy_and_limits():

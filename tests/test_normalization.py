@@ -425,9 +425,6 @@ def test_errors_name_the_argument():
     ops.rms_norm(x, s, eps=-1)
   with pytest.raises(ValueError, match=r"implementation must be None or one of.*'cuda'"):
     ops.rms_norm(x, s, implementation="cuda")
-  with pytest.raises(ValueError, match=r"add_rms_norm_unfused: implementation='triton' is not "
-                                       r"provided"):
-    ops.add_rms_norm_unfused(x, x, s, implementation="triton")
 
 
 @pytest.mark.skipif(helpers.ON_GPU, reason="checks the CPU error")
@@ -440,9 +437,35 @@ def test_kernels_need_a_gpu_or_interpret_mode():
       op(x, implementation="triton")
   with pytest.raises(jaxfuse.ImplementationUnavailableError, match="Triton kernels need a GPU"):
     ops.add_layer_norm(x, x, implementation="triton")
+  with pytest.raises(jaxfuse.ImplementationUnavailableError, match="Triton kernels need a GPU"):
+    ops.add_rms_norm_unfused(x, x, implementation="triton")
 
 
 def test_pallas_rejects_rows_longer_than_its_chunks_allow(pallas_mode):
   x = jax.ShapeDtypeStruct((2, pallas_norm.MAX_HIDDEN + 1), jnp.float32)
   with pytest.raises(ValueError, match=r"rms_norm: implementation='pallas' takes a hidden size"):
     jax.eval_shape(lambda x: ops.rms_norm(x, implementation="pallas"), x)
+
+
+@pytest.mark.parametrize("kernels", ["pallas", "triton"])
+def test_none_takes_xla_for_rows_wider_than_the_preferred_kernels_take(monkeypatch, kernels):
+  """Where ``None`` would pick a kernel set (a GPU) that cannot hold the row, it takes XLA,
+  which takes any width; the kernel set asked for by name still refuses the row."""
+  from jaxfuse.kernels.triton import normalization as triton_norm
+  from jaxfuse.ops import base, normalization
+
+  limit = pallas_norm.MAX_HIDDEN if kernels == "pallas" else triton_norm.MAX_HIDDEN
+  monkeypatch.setattr(base.Op, "resolve", lambda self, impl: impl or kernels)
+  picked = []
+  config = normalization._config
+  monkeypatch.setattr(normalization, "_config",
+                      lambda *a, **k: picked.append(config(*a, **k).impl) or config(*a, **k))
+  wide = jax.ShapeDtypeStruct((2, limit + 1), jnp.float32)
+  narrow = jax.ShapeDtypeStruct((2, limit), jnp.float32)
+  jaxpr = str(jax.make_jaxpr(jax.grad(lambda x: ops.rms_norm(x).sum()))(wide))
+  assert picked == ["xla"] and "pallas_call" not in jaxpr
+  if kernels == "pallas":  # the kernels keep every row they take
+    jax.eval_shape(lambda x: ops.rms_norm(x), narrow)
+    assert picked[-1] == "pallas"
+  with pytest.raises(ValueError, match=f"implementation='{kernels}' takes a hidden size"):
+    jax.eval_shape(lambda x: ops.rms_norm(x, implementation=kernels), wide)

@@ -281,17 +281,18 @@ def test_normalization_backward(centered, has_sum_grad, has_scale, has_bias, max
   tiles = cdiv(rows, t.rows)
   per_program = cdiv(tiles, min(tiles, max_programs))
   programs = cdiv(tiles, per_program)
-  passes = 1 if t.chunks == 1 else 2
   counted = _one(lambda x, g, gz, s, m, r: pallas_norm.backward(
       x, g, gz if has_sum_grad else None, s if has_scale else None, m if centered else None, r,
       has_bias=has_bias, max_programs=max_programs), x, x, x, param, stat, stat)
   rows_bytes = _size(x.shape, dtype)
-  # x and g once per pass, the scale once per pass of every tile a program walks (tiles past
-  # the last row too: the scale's load is masked by column only), the sum's gradient once, the
-  # statistics once; dx once and a float32 row of partials per program and parameter.
+  # x and g once, the scale once for every tile a program walks (tiles past the last row too:
+  # the scale's load is masked by column only), the sum's gradient once; the statistics (and,
+  # with several column chunks, the row sums an XLA reduction gives the kernel) once per chunk;
+  # dx once and a float32 row of partials per program and parameter.
   walked = programs * per_program
-  reads = (passes * 2 * rows_bytes + passes * has_scale * walked * hidden * 4
-           + has_sum_grad * rows_bytes + (1 + centered) * rows * 4)
+  row_floats = (1 + centered) * (1 if t.chunks == 1 else 2) * t.chunks
+  reads = (2 * rows_bytes + has_scale * walked * hidden * 4 + has_sum_grad * rows_bytes
+           + row_floats * rows * 4)
   writes = rows_bytes + programs * (has_scale + has_bias) * hidden * 4
   assert walked > tiles or max_programs == 512
   _assert_traffic(counted, reads, writes)
@@ -352,7 +353,7 @@ def test_sum_rows_reads_g_once():
 def test_cross_entropy_statistics_reload_h_for_every_vocabulary_tile(with_bias):
   n, d, v = 100, 70, 300
   h, w, bias, y = S((n, d), BF16), S((v, d), BF16), S((v,), F32), S((n,), jnp.int32)
-  bt, bv, _ = pallas_xent.GPU_BLOCKS
+  bt, bv, _ = pallas_xent.gpu_blocks(BF16)
   token_blocks, vocab_tiles = cdiv(n, bt), cdiv(v, bv)
   counted = _one(lambda h, w, b, y: pallas_xent.stats_forward(
       h, w, b if with_bias else None, y), h, w, bias, y)
@@ -371,7 +372,7 @@ def test_cross_entropy_logit_gradient(with_bias, smoothing):
   n, d, v = 100, 70, 300
   h, w, bias, y = S((n, d), F32), S((v, d), F32), S((v,), F32), S((n,), jnp.int32)
   row = S((n,), F32)
-  bt, bv, _ = pallas_xent.GPU_BLOCKS
+  bt, bv, _ = pallas_xent.gpu_blocks(F32)
   token_blocks, vocab_tiles = cdiv(n, bt), cdiv(v, bv)
   counted = _one(lambda h, w, b, y, lse, a, b2, c: pallas_xent.logit_grad(
       h, w, b if with_bias else None, y, lse, a, b2, c, smoothing=smoothing),
@@ -559,7 +560,7 @@ def test_attention_with_segment_ids_is_an_upper_bound():
 
   (counted,) = _counted(f, q, q, q, seg)
   assert not counted.exact
-  bq, bk = blocks.block_q, blocks.block_k
+  bq = blocks.block_q
   nq = cdiv(t, bq)
   reads = b * h * (t * d * 4 + nq * 2 * t * d * 4 + t * 4 + nq * t * 4)
   _assert_traffic(counted, reads, b * h * t * d * 4)

@@ -219,6 +219,17 @@ def test_stats_launch_plumbing(recording):
   assert len(outs) == 4 and outs[3].dtype == jnp.int32
 
 
+def test_float32_launches_take_the_tiles_that_do_not_spill(recording):
+  """float32 (IEEE products in registers): 64x64 logit tiles over 8 warps."""
+  h, w, _, y = _inputs(100, 1000, 48)
+  kernels.stats_forward(h, w, None, y)
+  zeros = jnp.zeros((100,), jnp.float32)
+  kernels.logit_grad(h, w, None, y, zeros, zeros, zeros, zeros)
+  for call in recording.calls:
+    assert call["num_warps"] == kernels.NUM_WARPS_F32 == 8
+    assert (call["BT"], call["BV"], call["BD"]) == kernels.GPU_BLOCKS_F32 == (64, 64, 32)
+
+
 def test_logit_grad_launch_plumbing(recording):
   h, w, _, y = _inputs(5, 20, 8)
   zeros = jnp.zeros((5,), jnp.float32)
@@ -246,7 +257,7 @@ def test_the_op_plumbs_its_config_into_the_launches(recording, triton_runs_here)
   assert stats["name"] == "xent_stats_kernel" and stats["grid"] == (1,)
   assert (stats["N"], stats["SOFTCAP"], stats["HAS_BIAS"]) == (40, 9.0, True)
   assert grad["name"] == "xent_logit_grad_kernel"
-  assert grad["grid"] == (1, math.ceil(300 / 128)) and grad["N"] == 16
+  assert grad["grid"] == (1, math.ceil(300 / kernels.GPU_BLOCKS_F32[1])) and grad["N"] == 16
   assert (grad["SOFTCAP"], grad["SMOOTHING"]) == (9.0, True)
   assert grad["out_shape"][0].shape == (16, 300)
 

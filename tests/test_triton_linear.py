@@ -94,10 +94,12 @@ def test_matmul_layouts(a_layout, b_layout, with_bias):
   helpers.assert_close(got, a @ b.T + (bias if with_bias else 0))
 
 
+# The bias is a flag of the kernels, independent of the tiles: without it, small tiles only.
 @pytest.mark.parametrize("rows, n_in, n_out", [(5, 123, 45), (3, 423, 17), (37, 64, 130),
                                                (1, 1, 1)])
-@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no bias"])
-@pytest.mark.parametrize("blocks", [kernels.BLOCKS, SMALL], ids=["default", "small tiles"])
+@pytest.mark.parametrize("with_bias, blocks", [(True, kernels.BLOCKS), (True, SMALL),
+                                               (False, SMALL)],
+                         ids=["bias-default", "bias-small tiles", "no bias-small tiles"])
 def test_fp32_matches_torch(rows, n_in, n_out, with_bias, blocks):
   x, w, b, g = _inputs(rows, n_in, n_out, seed=n_in)
   b = b if with_bias else None

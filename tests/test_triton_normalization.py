@@ -105,7 +105,8 @@ def test_low_precision_within_twice_torch_error(dtype):
 
 
 def test_rejects_rows_longer_than_one_block():
-  with pytest.raises(ValueError, match=r"hidden size of at most 32768, got 32769"):
+  with pytest.raises(ValueError, match=rf"hidden size of at most {kernels.MAX_HIDDEN}, "
+                                       rf"got {kernels.MAX_HIDDEN + 1}"):
     kernels.block_for(kernels.MAX_HIDDEN + 1)
 
 

@@ -12,7 +12,8 @@ GPU, and :func:`gpu_numerics` puts the GPU's behaviour back while a test runs:
 every launch (kernel, grid, constexprs, shapes) and, unless told not to, runs the kernel in the
 interpreter through ``jax.pure_callback``, so that the jax-triton wrappers, and the ops'
 ``implementation="triton"`` under :func:`triton_ops`, run end to end on a CPU (also under
-``jit`` and ``grad``). Outputs start as NaN, so an element a kernel fails to write shows.
+``jit`` and ``grad``). Outputs start as NaN, so an element a kernel fails to write shows. The
+benchmark suites use the same stand-in for their Triton rows on a CPU.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import contextlib
 import dataclasses
 import functools
 import sys
+import threading
 import types
 from collections.abc import Iterator
 
@@ -104,6 +106,11 @@ def to_numpy(t: torch.Tensor, dtype) -> np.ndarray:
   return t.numpy().astype(dtype)
 
 
+# The interpreter keeps its state (the program being run, the patches of gpu_numerics) in one
+# module-level builder: launches from callbacks XLA runs side by side take turns.
+_INTERPRETER = threading.Lock()
+
+
 def run_kernel(kernel, grid, constexprs, inputs, outputs):
   """Launches ``kernel`` in the interpreter on numpy ``inputs`` and new NaN-filled ``outputs``
   (shape-dtype structs), as jax-triton would: input pointers, then output pointers, then the
@@ -114,7 +121,7 @@ def run_kernel(kernel, grid, constexprs, inputs, outputs):
     dtype = _TORCH[jnp.dtype(o.dtype).name]
     fill = float("nan") if dtype.is_floating_point else 0
     outs.append(torch.full(tuple(o.shape), fill, dtype=dtype))
-  with gpu_numerics():
+  with _INTERPRETER, gpu_numerics():
     kernel[tuple(grid)](*args, *outs, **constexprs)
   return [to_numpy(t, o.dtype) for t, o in zip(outs, outputs)]
 
@@ -158,9 +165,24 @@ def jax_triton_stand_in(run: bool = True) -> Iterator[list[Launch]]:
 
 
 @contextlib.contextmanager
-def triton_ops(monkeypatch) -> Iterator[list[Launch]]:
+def triton_ops(monkeypatch=None, run: bool = True) -> Iterator[list[Launch]]:
   """Ops traced inside the block take ``implementation="triton"`` as on a GPU with jax-triton,
-  and launch their kernels through :func:`jax_triton_stand_in` (run in the interpreter)."""
-  monkeypatch.setattr(dispatch, "jax_triton_importable", lambda: True)
-  with dispatch.target_platform("gpu"), jax_triton_stand_in() as launches:
-    yield launches
+  and launch their kernels through :func:`jax_triton_stand_in`.
+
+  Args:
+    monkeypatch: pytest's fixture, which undoes the patch of
+      :func:`jaxfuse.ops.dispatch.jax_triton_importable` after the test; without it (the
+      benchmarks) the patch is undone when the block ends.
+    run: run each kernel in the interpreter; otherwise record the launches and return zeros.
+  """
+  original = dispatch.jax_triton_importable
+  if monkeypatch is not None:
+    monkeypatch.setattr(dispatch, "jax_triton_importable", lambda: True)
+  else:
+    dispatch.jax_triton_importable = lambda: True
+  try:
+    with dispatch.target_platform("gpu"), jax_triton_stand_in(run) as launches:
+      yield launches
+  finally:
+    if monkeypatch is None:
+      dispatch.jax_triton_importable = original

@@ -7,7 +7,12 @@ v; errors are against torch's ``scaled_dot_product_attention`` in the same dtype
 the causal half once: 4·T²·D per head forward (two matmuls) and 10·T²·D backward (five),
 halved. On CPU the Pallas kernels run only in interpret mode: their row has no time, its
 ``bytes_moved`` is counted by ``jaxfuse.metrics.bytes_moved`` at the full shape and its errors
-come from an interpret-mode run at a small shape. Timed JAX rows also carry XLA's cost analysis
+come from an interpret-mode run at a small shape. The jax-triton kernels (``jaxfuse-triton``)
+are timed on GPUs; on CPU the op runs with its kernels in Triton's interpreter
+(``benchmarks/triton_interpreted.py``) at the same small shape, for its errors and its
+``bytes_moved`` (counted there: the interpreter takes seconds at T=128 and minutes at the
+longer cases), and its residuals are traced at each case's shape through a stand-in jax-triton.
+Timed JAX rows also carry XLA's cost analysis
 (``xla_bytes_accessed``) and compiled temp memory (``temp_bytes``) of their step; each record's
 ``sources`` says how each of its figures was produced.
 """
@@ -23,6 +28,7 @@ import numpy as np
 import jaxfuse
 from benchmarks import harness
 from benchmarks import records as rec
+from benchmarks import triton_interpreted
 from benchmarks.harness import Context
 from benchmarks.records import Record
 from jaxfuse.ops import attention, attention_reference
@@ -36,7 +42,7 @@ DENSE_MAX_T = 4096
 # Slow peers: skipped above this length in quick mode, to keep it within about two minutes.
 QUICK_SLOW_MAX_T = 1024
 GPU_XLA_MAX_T = 2048
-SMALL_PALLAS = dict(t=128, heads=2)   # the interpret-mode run on CPU
+SMALL_PALLAS = dict(t=128, heads=2)   # the interpret-mode runs on CPU (Pallas' and Triton's)
 FP32_RTOL, FP32_ATOL = 1e-5, 1e-5
 REFERENCE = "torch-sdpa"
 FLOPS_SOURCE = "modelled: 14·T²·D per head (4 forward, 10 backward), the causal half"
@@ -115,6 +121,8 @@ def _candidates(ctx: Context, t: int):
   if ctx.native("pallas"):
     out["jaxfuse-pallas"] = (
         lambda q, k, v: attention(q, k, v, causal=True, implementation="pallas"), None)
+  if ctx.native("triton"):
+    out["jaxfuse-triton"] = (_triton_attention, None)
   dense = t <= DENSE_MAX_T
   if dense:
     out["jax-unfused"] = (lambda q, k, v: attention_reference(q, k, v, causal=True),
@@ -172,6 +180,20 @@ def _pallas_attention(q, k, v):
   return attention(q, k, v, causal=True, implementation="pallas")
 
 
+def _triton_attention(q, k, v):
+  return attention(q, k, v, causal=True, implementation="triton")
+
+
+def _triton_cpu_figures():
+  """Errors (and whether within the float32 tolerance), bytes moved and where, of the op with
+  its Triton kernels in Triton's interpreter at the small shape, against torch."""
+  t, heads = SMALL_PALLAS["t"], SMALL_PALLAS["heads"]
+  q, k, v, g = _inputs(t, heads, jnp.float32, seed=1)
+  got, traffic = triton_interpreted.run_step(_triton_attention, (q, k, v), g)
+  out_err, grad_err, within = _errors(got, _Torch(q, k, v, g).results())
+  return out_err, grad_err, within, traffic.bytes, f"T={t} H={heads}"
+
+
 def _failure(e: Exception) -> str:
   return f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
 
@@ -185,6 +207,10 @@ def run(ctx: Context) -> list[Record]:
   if not ctx.native("pallas"):
     ctx.step("pallas kernels in interpret mode (errors only)")
     pallas_small = _pallas_cpu_errors()
+  triton_small = None
+  if not ctx.native("triton") and triton_interpreted.available():
+    ctx.step("triton kernels in Triton's interpreter (errors and bytes moved)")
+    triton_small = _triton_cpu_figures()
 
   for t in (QUICK_LENGTHS if ctx.quick else FULL_LENGTHS):
     case = f"causal T={t} H={HEADS} D={HEAD_DIM}"
@@ -236,6 +262,8 @@ def run(ctx: Context) -> list[Record]:
       harness.set_errors(r, (out_err, grad_err), error_source)
       if name == "jaxfuse-pallas":
         r.set("bytes_moved", harness.step_bytes_moved(fn, args, g), rec.KERNEL_BYTES_SOURCE)
+      elif name == "jaxfuse-triton":
+        r.add_note("bytes_moved null: Triton compiles here (no interpreter to count in)")
       steps[name] = step
       timers[name] = lambda step=step: step(args, g)
 
@@ -250,6 +278,20 @@ def run(ctx: Context) -> list[Record]:
                        f"rtol={FP32_RTOL:g} atol={FP32_ATOL:g})"))
       r.set("bytes_moved", moved, rec.KERNEL_BYTES_SOURCE)
       harness.set_errors(r, (out_err, grad_err), f"Pallas {where} against {REFERENCE}")
+    if triton_small is not None:
+      out_err, grad_err, within, moved, where = triton_small
+      kept = triton_interpreted.residual_bytes(_triton_attention, args)
+      r = record("jaxfuse-triton", kept,
+                 rec.JAX_RESIDUAL_SOURCE + triton_interpreted.RESIDUAL_SUFFIX,
+                 note=(f"{triton_interpreted.NOTE.format(where=where)} (grads "
+                       f"{'within' if within else 'NOT within'} rtol={FP32_RTOL:g} "
+                       f"atol={FP32_ATOL:g})"))
+      r.set("bytes_moved", moved, triton_interpreted.BYTES_SOURCE.format(where=where))
+      harness.set_errors(r, (out_err, grad_err), triton_interpreted.ERRORS_SOURCE.format(
+          where=where, reference=REFERENCE))
+    elif not ctx.native("triton"):
+      record("jaxfuse-triton", note="not run: Triton needs a GPU (or triton, for its "
+                                    "interpreter)")
     for name, note in _skipped_notes(t):
       record(name, note=note)
 

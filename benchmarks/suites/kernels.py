@@ -13,7 +13,7 @@ their source. No GPU is needed and nothing runs.
 Configurations: float32, bfloat16 and float16; attention (batch 2, 1024 tokens, 8 heads) at
 head dims 40, 64, 128 and 256, causal or not, with or without a float32 ``[1, 8, T, T]`` bias
 (which adds the dbias kernel); the norms over 4096 rows of widths 1024, 4096, 16384 and the
-largest each implementation takes; softmax rows of 1024 and 32768, with and without a mask;
+largest each implementation takes (widths past it are left out); softmax rows of 1024 and 32768, with and without a mask;
 the elementwise kernels over 16M elements or 4096 x 4096; the linear and cross-entropy kernels
 at 4096 tokens. ``--quick`` keeps a few configurations per family.
 
@@ -21,8 +21,10 @@ Fields: ``regs`` (registers per thread), ``spill_bytes`` (spill stores + loads p
 ``stack_bytes`` (stack frame per thread), ``smem_bytes`` (dynamic + static shared memory per
 block), ``occupancy`` (resident blocks per SM on the arch's GPU: H100 for ``sm_90a``, A100
 for ``sm_80``). ``note`` says whether the kernel is within the arch's limits (227 KiB of
-shared memory per block on sm_90a, 255 registers per thread, 64K registers per block) and what
-limits its blocks per SM. A kernel that does not compile keeps null figures and says why.
+shared memory per block on sm_90a, 255 registers per thread, 64K registers per block), how
+much it spills if it does (for a float32 spill :data:`FLOAT32_SPILLS` knows of, why it is left),
+and what limits its blocks per SM. A kernel that does not compile keeps null figures and says
+why.
 """
 
 from __future__ import annotations
@@ -144,6 +146,7 @@ def attention_configs(dtype: str, d: int, causal: bool, bias: bool) -> list[Conf
 
   def blocks(name):
     sizes = tuning.block_sizes_for(q, q, causal=causal, has_bias=bias)
+    name = name.removesuffix("_kernel")  # the Triton kernels' names
     if name.startswith("attention_fwd"):
       return f"block={sizes.block_q}x{sizes.block_k}"
     if name in ("attention_bwd_dq", "attention_bwd_dbias"):
@@ -279,8 +282,11 @@ def core() -> list[Config]:
   bfloat16 or float16, at the tiles the heuristics choose (the cheapest shapes that reach it:
   a Triton kernel shared by several ops is compiled for one of them)."""
   out = attention_configs("float16", 64, True, True)
-  out += _norm("rms_norm", "bfloat16", 4096)
-  out += _norm("add_layer_norm", "float16", 4096, impls=("pallas",))
+  out += _norm("rms_norm", "bfloat16", 4096, impls=("pallas",))
+  # Rows of several column chunks: the Pallas backward then reads its row sums from XLA.
+  out += _norm("add_layer_norm", "float16", 16384, impls=("pallas",))
+  # The widest rows the Triton norms take, with the most their backward keeps in registers.
+  out += _norm("add_layer_norm", "bfloat16", None, impls=("triton",))
   out += _softmax("bfloat16", 4096, True)
   for name in ("add_act", "add_act_unfused", "relu", "bias_act", "glu"):
     out += _elementwise(name, "bfloat16")
@@ -322,6 +328,32 @@ def case_names(config: Config, found: Sequence[kr.KernelSource]) -> list[str]:
   return names
 
 
+# Kernels known to spill in float32 in a configuration that ships, and why: kernel -> the
+# reason, in the note of each float32 configuration of it that spills. Every other spill is
+# noted by its size alone; a 2-byte configuration that spills is a bug
+# (tests/test_kernel_resources.py fails on the core set).
+FLOAT32_SPILLS = {
+    "norm_bwd_kernel": (
+        "a whole float32 row of x, g and the scale and two float32 gradient accumulators stay "
+        "in registers, at most 128 a thread with 16 warps; the widest rows the Triton norms "
+        "take (MAX_HIDDEN) then spill a little in float32, not in bfloat16 or float16"),
+}
+
+
+def source_name(case: str) -> str:
+  """The kernel's name: the first word of its case."""
+  return case.split(" ", 1)[0]
+
+
+def spill_note(name: str, dtype: str, resources: kr.KernelResources) -> str:
+  """What the note says of a kernel that spills: how much, and why where that is known."""
+  text = (f"spills {resources.spill_stores} B stored + {resources.spill_loads} B loaded a "
+          f"thread")
+  if dtype == "float32" and name in FLOAT32_SPILLS:
+    return f"{text} (float32: {FLOAT32_SPILLS[name]})"
+  return text
+
+
 def record(config: Config, case: str, resources: kr.KernelResources | None, arch: str,
            platform: str, error: str | None = None) -> Record:
   """The record of one kernel: its figures and their sources, or null figures and why."""
@@ -340,6 +372,8 @@ def record(config: Config, case: str, resources: kr.KernelResources | None, arch
   r.set("smem_bytes", resources.smem_bytes, _SMEM.format(arch=target.name, how=how))
   r.set("occupancy", resources.blocks_per_sm, _OCCUPANCY.format(device=target.device))
   r.add_note("within limits" if resources.within_limits else "; ".join(resources.problems))
+  if resources.spill_bytes:
+    r.add_note(spill_note(source_name(case), config.dtype, resources))
   r.add_note(f"{resources.blocks_per_sm} blocks/SM by {resources.limited_by}")
   if resources.launches > 1:
     r.add_note(f"{resources.launches} launches")

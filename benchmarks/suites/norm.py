@@ -3,7 +3,8 @@
 Every case times forward + backward: one jit-compiled step returning the outputs and the
 gradients of every input and parameter, or one torch autograd step, interleaved across
 
-- ``jaxfuse-xla``, and where they compile (GPUs) ``jaxfuse-pallas`` / ``jaxfuse-triton``;
+- ``jaxfuse-xla``, and where they compile (GPUs) ``jaxfuse-pallas`` / ``jaxfuse-triton`` (every
+  op here has both kernel sets);
 - ``jax-unfused``: the plain jnp chain (``jaxfuse.ops.*_reference``), differentiated by JAX;
 - ``torch-eager`` and ``torch-compile`` (``torch.nn.functional.rms_norm`` / ``layer_norm``, which
   ``torch.nn.RMSNorm`` / ``LayerNorm`` call; ``torch.compile`` of the forward, with its compiled
@@ -21,10 +22,14 @@ inputs and parameters (for the add variant it includes ``x + residual``, which i
 anyway). ``bytes_moved`` is the HBM traffic of the Pallas kernels counted by
 ``jaxfuse.metrics.bytes_moved``, for the whole forward + backward step; the ``jax-unfused`` row
 of ``add_rms_norm`` carries the bytes of the same chain run as Pallas kernels (an add kernel,
-then the rms_norm kernels, and an add kernel joining the two gradients of ``x + residual``); the
-Triton row's are a hand formula. JAX rows compiled here also carry XLA's own cost analysis
-(``xla_bytes_accessed``) and compiled temp memory (``temp_bytes``). On CPU, Pallas rows are not
-timed: their errors come from an interpret-mode run at a reduced row count (said in ``note``).
+then the rms_norm kernels, and an add kernel joining the two gradients of ``x + residual``). JAX
+rows compiled here also carry XLA's own cost analysis (``xla_bytes_accessed``) and compiled temp
+memory (``temp_bytes``). On CPU, kernel rows are not timed: Pallas rows' errors come from an
+interpret-mode run at a reduced row count (said in ``note``); Triton rows run the op, kernels in
+Triton's interpreter (``benchmarks/triton_interpreted.py``), at the same reduced row count, for
+their errors and for ``bytes_moved`` (counted at that reduced shape: the interpreter takes
+about 10 ms a row, so the case's shape would take minutes), and trace their residuals at the
+case's shape through a stand-in jax-triton.
 Errors are against torch eager in float64 on the same inputs (``torch-float64``); ``note`` says
 whether a row's errors are within twice torch eager's in the row's dtype (the tests' rule for
 low precision). Each record's ``sources`` says how each of its figures was produced.
@@ -37,7 +42,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import os
 from collections.abc import Callable
 
 import jax.numpy as jnp
@@ -46,15 +50,16 @@ import numpy as np
 import jaxfuse
 from benchmarks import harness
 from benchmarks import records as records_lib
+from benchmarks import triton_interpreted
 from benchmarks.records import Record
 from benchmarks.suites import norm_mlp
 from jaxfuse import ops
-from jaxfuse.ops import dispatch
 
 SUITE = "norm"
 PEERS = ("torch-eager", "torch-compile", "tokamax-xla")
 REFERENCE = "torch-float64"
-# Rows at which Pallas kernels run in interpret mode on CPU, for their error figures.
+# Rows at which Pallas kernels run in interpret mode on CPU, for their error figures, and the
+# Triton kernels in Triton's interpreter, for their errors and bytes moved.
 INTERPRET_ROWS = 64
 EPS = {"rms_norm": 1e-6, "layer_norm": 1e-5, "add_rms_norm": 1e-6}
 
@@ -114,7 +119,7 @@ def _jax_fns(case: Case, tokamax) -> tuple[dict[str, Callable], dict[str, str]]:
       "jax-unfused": lambda *a: reference(*a, eps=eps),
   }
   notes = {}
-  if op == "rms_norm" and importlib.util.find_spec("triton") is not None:
+  if importlib.util.find_spec("triton") is not None:
     fns["jaxfuse-triton"] = lambda *a: fused(*a, eps=eps, implementation="triton")
   if tokamax is None:
     notes["jax-unfused"] = "tokamax is not installed: no tokamax-xla row"
@@ -207,8 +212,12 @@ def run_case(ctx, case: Case, tokamax) -> list[Record]:
         _tolerance_note(rec, harness.errors(results["torch-eager"], exact))
     ctx.step(f"{case.name}: {impl} residuals")
     if impl == "jaxfuse-triton" and not ctx.native("triton"):
-      rec.add_note("residual_bytes null: the Triton implementation is traced through "
-                   "jax-triton, which needs a GPU")
+      if triton_interpreted.available():
+        rec.set("residual_bytes", triton_interpreted.residual_bytes(fns[impl], args),
+                records_lib.JAX_RESIDUAL_SOURCE + triton_interpreted.RESIDUAL_SUFFIX)
+      else:
+        rec.add_note("residual_bytes null: the Triton implementation is traced through "
+                     "jax-triton, which needs a GPU")
     elif impl.startswith("torch"):
       rec.set("residual_bytes", harness.torch_residual_bytes(torch_fns[impl], t_args),
               records_lib.TORCH_RESIDUAL_SOURCE)
@@ -222,7 +231,7 @@ def run_case(ctx, case: Case, tokamax) -> list[Record]:
     if impl == "jaxfuse-pallas":
       _pallas_figures(ctx, case, fns[impl], rec, args, cts)
     elif impl == "jaxfuse-triton":
-      _triton_figures(ctx, case, rec)
+      _triton_figures(ctx, case, fns[impl], rec)
     elif impl == "jax-unfused" and case.op == "add_rms_norm":
       rec.set("bytes_moved", harness.step_bytes_moved(
           lambda *a: ops.add_rms_norm_unfused(*a, eps=case.eps, implementation="pallas"),
@@ -275,46 +284,29 @@ def _pallas_figures(ctx, case: Case, f, rec: Record, args, cts) -> None:
                                       exact))
 
 
-def _triton_counted_bytes(case: Case) -> int | None:
-  """Bytes the Triton rms_norm kernels (forward, then backward) load and store at this case's
-  shape, counted while Triton's interpreter runs them with the launch parameters jax-triton
-  would use; None where Triton compiles instead of interpreting (on a GPU)."""
-  os.environ.setdefault("TRITON_INTERPRET", "1" if not dispatch.on_gpu() else "0")
-  if os.environ.get("TRITON_INTERPRET") != "1":
-    return None
-  import torch
-
-  from jaxfuse.kernels.triton import normalization as tk
-  from jaxfuse.metrics import triton_traffic
-
-  dtype = harness.torch_dtype(case.dtype)
-  rows, hidden = case.rows, case.hidden
-  x, g, w = torch.zeros(rows, hidden, dtype=dtype), torch.zeros(rows, hidden, dtype=dtype), \
-      torch.ones(hidden, dtype=dtype)
-  block = tk.block_for(hidden)
-  programs, per_program = tk.backward_grid(rows)
-  with triton_traffic.counting() as counted:
-    y, rstd = torch.empty_like(x), torch.empty(rows, 1)
-    tk.rms_norm_fwd_kernel[(rows,)](x, w, y, rstd, H=hidden, eps=case.eps, BLOCK_H=block,
-                                    HAS_SCALE=True)
-    dx, partial = torch.empty_like(x), torch.zeros(programs, hidden)
-    tk.rms_norm_bwd_kernel[(programs,)](x, g, w, rstd, dx, partial, R=rows, H=hidden,
-                                        ROWS_PER_PROGRAM=per_program, BLOCK_H=block,
-                                        HAS_SCALE=True)
-  return counted.bytes
-
-
-def _triton_figures(ctx, case: Case, rec: Record) -> None:
-  counted = _triton_counted_bytes(case)
-  if counted is None:
+def _triton_figures(ctx, case: Case, f, rec: Record) -> None:
+  """On CPU: errors and bytes_moved of the op's forward + backward step with its Triton kernels
+  in Triton's interpreter, at a reduced row count."""
+  if ctx.native("triton"):
     rec.add_note("bytes_moved null: Triton compiles here (no interpreter to count in)")
-  else:
-    rec.set("bytes_moved", counted,
-            "kernel loads/stores counted while Triton's interpreter runs the kernels at this "
-            "shape (jaxfuse.metrics.triton_traffic)")
-  if not ctx.native("triton"):
-    rec.add_note("Triton kernels run on GPUs through jax-triton (tested on CPU with Triton's "
-                 "interpreter)")
+    return
+  if not triton_interpreted.available():
+    rec.add_note("no errors or bytes_moved: Triton's interpreter is not available here")
+    return
+  rows = min(case.rows, INTERPRET_ROWS)
+  where = f"{rows}x{case.hidden}"
+  ctx.step(f"{case.name}: Triton interpreter run at {rows} rows")
+  small, small_cts = _inputs(case, rows, seed=1)
+  got, traffic = triton_interpreted.run_step(f, small, small_cts)
+  t_small = [harness.to_torch(a) for a in small]
+  t_cts = _torch_cts(case, small_cts)
+  exact = _exact(case, t_small, t_cts)
+  harness.set_errors(rec, harness.errors(got, exact), triton_interpreted.ERRORS_SOURCE.format(
+      where=where, reference=REFERENCE))
+  rec.set("bytes_moved", traffic.bytes, triton_interpreted.BYTES_SOURCE.format(where=where))
+  rec.add_note(triton_interpreted.NOTE.format(where=where))
+  _tolerance_note(rec, harness.errors(harness.torch_step(_torch_fn(case))(t_small, t_cts),
+                                      exact))
 
 
 def _add_chain_ratio(records) -> None:

@@ -5,7 +5,8 @@ alone.
 Every case times forward + backward (one jit-compiled step returning the output and all
 gradients, or one torch autograd step), interleaved across implementations:
 
-- ``jaxfuse-xla`` and, where it compiles (GPUs), ``jaxfuse-pallas`` / ``jaxfuse-triton``;
+- ``jaxfuse-xla`` and, where they compile (GPUs), ``jaxfuse-pallas`` / ``jaxfuse-triton`` (the
+  Triton rows only there);
 - ``jax-unfused``: the plain jnp chain, differentiated by JAX;
 - ``torch-eager`` and ``torch-compile`` (``torch.compile`` of the function, autograd's backward
   through it);
@@ -158,15 +159,18 @@ def _normal(key, shape, dtype, scale=1.0):
 def softmax_case(rows, n, dtype) -> Case:
   import torch
 
+  fns = {
+      "jaxfuse-pallas": lambda x: softmax(x, implementation="pallas"),
+      "jaxfuse-xla": lambda x: softmax(x, implementation="xla"),
+      "jax-unfused": lambda x: jax.nn.softmax(x, axis=-1),
+  }
+  if jaxfuse.ops.dispatch.runs_natively("triton"):
+    fns["jaxfuse-triton"] = lambda x: softmax(x, implementation="triton")
   return Case(
       name=f"softmax {rows}x{n}",
       make_inputs=lambda r: [_normal(0, (r, n), dtype, 3.0)],
       rows=rows, n_diff=1,
-      jax_fns={
-          "jaxfuse-pallas": lambda x: softmax(x, implementation="pallas"),
-          "jaxfuse-xla": lambda x: softmax(x, implementation="xla"),
-          "jax-unfused": lambda x: jax.nn.softmax(x, axis=-1),
-      },
+      jax_fns=fns,
       torch_fn=lambda x: torch.softmax(x, dim=-1),
       notes={"jaxfuse-xla": "tokamax has no softmax op: no tokamax-xla row"})
 
@@ -181,15 +185,18 @@ def _torch_act(act):
 def bias_act_case(rows, n, act, dtype) -> Case:
   fn = activations.get(act)
   torch_act = _torch_act(act)
+  fns = {
+      "jaxfuse-pallas": lambda x, b: bias_act(x, b, act, implementation="pallas"),
+      "jaxfuse-xla": lambda x, b: bias_act(x, b, act, implementation="xla"),
+      "jax-unfused": lambda x, b: fn(x + b),
+  }
+  if jaxfuse.ops.dispatch.runs_natively("triton"):
+    fns["jaxfuse-triton"] = lambda x, b: bias_act(x, b, act, implementation="triton")
   return Case(
       name=f"bias+{act} {rows}x{n}",
       make_inputs=lambda r: [_normal(1, (r, n), dtype, 2.0), _normal(2, (n,), dtype)],
       rows=rows, n_diff=2,
-      jax_fns={
-          "jaxfuse-pallas": lambda x, b: bias_act(x, b, act, implementation="pallas"),
-          "jaxfuse-xla": lambda x, b: bias_act(x, b, act, implementation="xla"),
-          "jax-unfused": lambda x, b: fn(x + b),
-      },
+      jax_fns=fns,
       torch_fn=lambda x, b: torch_act(x + b),
       notes={"jaxfuse-xla": "tokamax has no bias + activation op: no tokamax-xla row"})
 
@@ -237,6 +244,8 @@ def gated_mlp_case(tokens, d, hidden, dtype) -> Case:
       "jaxfuse-xla": lambda *a: blocks.gated_mlp(*a, implementation="xla"),
       "jax-unfused": _plain_gated_mlp,
   }
+  if jaxfuse.ops.dispatch.runs_natively("triton"):
+    fns["jaxfuse-triton"] = lambda *a: blocks.gated_mlp(*a, implementation="triton")
   notes = {"jaxfuse-pallas": "bytes_moved: the GLU kernels only (the matmuls are XLA's)",
            "jaxfuse-xla": "keeps gate and up; recomputes the hidden activation"}
   tokamax = harness.tokamax()

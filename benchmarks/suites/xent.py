@@ -12,6 +12,11 @@ forward + backward (loss, dh, dW) and reports the bytes its backward keeps alive
 - ``jaxfuse-pallas``: the Pallas kernels. Timed on GPUs only; on CPU its errors come from an
   interpret-mode run at a small shape; its bytes moved are counted by
   ``jaxfuse.metrics.bytes_moved`` at the full shape.
+- ``jaxfuse-triton``: the jax-triton kernels. Timed on GPUs only; on CPU the op runs with its
+  kernels in Triton's interpreter (``benchmarks/triton_interpreted.py``) at the small shape
+  ``INTERPRET_SHAPE``, for its errors and its ``bytes_moved`` (counted there: the interpreter
+  would take minutes at a case's shape), and its residuals are traced at the case's shape
+  through a stand-in jax-triton.
 - ``tokamax-xla``: ``tokamax.linear_softmax_cross_entropy_loss(implementation="xla")``; in
   tokamax 0.0.12 that path keeps its gradients as residuals, like ``grad_in_forward`` (its
   chunked kernel is TPU-only). It takes no precision argument (it raises on one): its step is
@@ -37,6 +42,7 @@ import numpy as np
 
 from benchmarks import harness
 from benchmarks import records as rec
+from benchmarks import triton_interpreted
 from benchmarks.records import Record
 from jaxfuse import metrics
 from jaxfuse.ops import dispatch, linear_cross_entropy
@@ -46,7 +52,8 @@ REFERENCE = "torch-eager"
 BASELINE = "jax-unfused"
 # The acceptance case: in quick mode too.
 MAIN_CASE = (8192, 1024, 32000)
-# Pallas' interpret mode on CPU checks errors at this shape (N, D, V).
+# Pallas' interpret mode and Triton's interpreter on CPU check errors at this shape (N, D, V);
+# the Triton kernels' bytes are counted there too.
 INTERPRET_SHAPE = (64, 64, 1000)
 # Every row's matmuls run in float32 at HIGHEST precision: jaxfuse and the plain loss pass it,
 # torch's float32 matmuls are full precision, and tokamax, which takes no precision argument, is
@@ -119,6 +126,22 @@ def _pallas_loss(y):
   return lambda h, w: linear_cross_entropy(h, w, y, implementation="pallas")
 
 
+def _triton_loss(y):
+  return lambda h, w: linear_cross_entropy(h, w, y, implementation="triton")
+
+
+@functools.cache
+def _triton_small_figures():
+  """``(out_err, grad_err, tolerance units, bytes)`` of the op with its Triton kernels in
+  Triton's interpreter at INTERPRET_SHAPE, against torch (the same for every case)."""
+  n, d, v = INTERPRET_SHAPE
+  h, w, y = _inputs(n, d, v, seed=1)
+  got, traffic = triton_interpreted.run_step(_triton_loss(y), (h, w))
+  want = harness.torch_step(_torch_loss, n_diff=2)(_torch_setup(h, w, y))
+  out_err, grad_err = harness.errors(got, want)
+  return out_err, grad_err, _tolerance_units(got[1], want[1]), traffic.bytes
+
+
 def _pallas_small_errors():
   """Errors of the Pallas kernels against torch at a small shape, in interpret mode on CPU."""
   n, d, v = INTERPRET_SHAPE
@@ -146,6 +169,8 @@ def _case(ctx, n, d, v, with_peers) -> list[Record]:
   }
   if ctx.native("pallas"):
     losses["jaxfuse-pallas"] = _pallas_loss(y)
+  if ctx.native("triton"):
+    losses["jaxfuse-triton"] = _triton_loss(y)
   steps = {name: (harness.jax_step(loss), (h, w)) for name, loss in losses.items()}
   tokamax_loss = _tokamax_loss() if with_peers else None
   if tokamax_loss is not None:
@@ -188,11 +213,24 @@ def _case(ctx, n, d, v, with_peers) -> list[Record]:
               for name, (_, args) in steps.items() if name != "jaxfuse-pallas"}
   with dispatch.pallas_interpret(not ctx.native("pallas")):  # traced, never run
     residual["jaxfuse-pallas"] = harness.residual_bytes(_pallas_loss(y), (h, w))
+  triton_cpu = not ctx.native("triton") and triton_interpreted.available()
+  if triton_cpu:
+    residual["jaxfuse-triton"] = triton_interpreted.residual_bytes(_triton_loss(y), (h, w))
   pallas_bytes = harness.step_bytes_moved(_pallas_loss(y), (h, w))
   for name, loss in torch_losses.items():
     if name in outputs:
       residual[name] = harness.torch_residual_bytes(loss, t_args, n_diff=2)
 
+  triton_figures = None
+  if triton_cpu:
+    ctx.step(f"{case}: Triton interpreter run at N={INTERPRET_SHAPE[0]} D={INTERPRET_SHAPE[1]} "
+             f"V={INTERPRET_SHAPE[2]}")
+    triton_figures = _triton_small_figures()
+    notes["jaxfuse-triton"] = (
+        triton_interpreted.NOTE.format(where=_small_where())
+        + f" (grad err {triton_figures[2]:.2f} x fp32 tol)")
+  elif not ctx.native("triton"):
+    notes["jaxfuse-triton"] = "not run: Triton needs a GPU (or triton, for its interpreter)"
   pallas_errors = None
   if not ctx.native("pallas"):
     err, grad_err, units = _pallas_small_errors()
@@ -206,7 +244,7 @@ def _case(ctx, n, d, v, with_peers) -> list[Record]:
   torch_ms = (times.get("torch-eager") or {}).get("median")
   records = []
   order = [BASELINE, "jaxfuse-xla", "jaxfuse-xla[grad_in_forward]", "jaxfuse-pallas",
-           "tokamax-xla", "torch-eager", "torch-compile"]
+           "jaxfuse-triton", "tokamax-xla", "torch-eager", "torch-compile"]
   for name in order:
     if name in ("tokamax-xla", "torch-compile") and not with_peers:
       continue
@@ -218,6 +256,11 @@ def _case(ctx, n, d, v, with_peers) -> list[Record]:
     if name == "jaxfuse-pallas" and pallas_errors is not None:
       where = "Pallas interpret mode at N={} D={} V={}".format(*INTERPRET_SHAPE)
       harness.set_errors(r, pallas_errors, f"{where} against {REFERENCE}")
+    elif name == "jaxfuse-triton" and triton_figures is not None:
+      harness.set_errors(r, triton_figures[:2], triton_interpreted.ERRORS_SOURCE.format(
+          where=_small_where(), reference=REFERENCE))
+      r.set("bytes_moved", triton_figures[3],
+            triton_interpreted.BYTES_SOURCE.format(where=_small_where()))
     elif out is not None and name != "torch-eager":
       harness.set_errors(r, harness.errors(out, reference),
                          f"the timed step's own outputs against {REFERENCE}")
@@ -230,12 +273,16 @@ def _case(ctx, n, d, v, with_peers) -> list[Record]:
       r.reference = REFERENCE
     if name == "tokamax-xla" and out is None and r.note is None:
       r.note = "tokamax is not installed"
-    if out is not None or name == "jaxfuse-pallas":
+    if out is not None or name in ("jaxfuse-pallas", "jaxfuse-triton"):
       source = (rec.TORCH_RESIDUAL_SOURCE if name.startswith("torch")
                 else rec.JAX_RESIDUAL_SOURCE)
+      if name == "jaxfuse-triton" and triton_cpu:
+        source += triton_interpreted.RESIDUAL_SUFFIX
       r.set("residual_bytes", residual.get(name), source)
     if name == "jaxfuse-pallas":
       r.set("bytes_moved", pallas_bytes, rec.KERNEL_BYTES_SOURCE)
+    elif name == "jaxfuse-triton" and ctx.native("triton"):
+      r.add_note("bytes_moved null: Triton compiles here (no interpreter to count in)")
     if name in steps:
       ctx.step(f"{case}: {name} compiled figures")
       harness.record_compiled_figures(r, *steps[name])
@@ -243,6 +290,10 @@ def _case(ctx, n, d, v, with_peers) -> list[Record]:
       r.set("peak_bytes", *peaks[name])
   harness.ratio_to_fastest(records, (BASELINE,))
   return records
+
+
+def _small_where() -> str:
+  return "N={} D={} V={}".format(*INTERPRET_SHAPE)
 
 
 def _peaks(steps, t_args):

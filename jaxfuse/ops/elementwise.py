@@ -19,8 +19,9 @@ from jaxfuse.kernels.pallas import elementwise as pallas_elementwise
 from jaxfuse.ops import activation_grads, activations, base, checks
 
 ADD_ACT = base.Op("add_act", ("pallas", "triton", "xla"), base.ELEMENTWISE_GPU_ORDER)
-ADD_ACT_UNFUSED = base.Op("add_act_unfused", ("pallas", "xla"), ("pallas", "xla"))
-RELU = base.Op("relu", ("pallas", "xla"), base.ELEMENTWISE_GPU_ORDER)
+ADD_ACT_UNFUSED = base.Op("add_act_unfused", ("pallas", "triton", "xla"),
+                          ("pallas", "triton", "xla"))
+RELU = base.Op("relu", ("pallas", "triton", "xla"), base.ELEMENTWISE_GPU_ORDER)
 
 
 # Reference --------------------------------------------------------------------------------------
@@ -203,6 +204,10 @@ def _add_forward(a, b, cfg):
   if cfg.impl == "pallas":
     kernel = functools.partial(pallas_elementwise.add_forward, interpret=cfg.interpret)
     return base.kernel_call(kernel, _xla_add, a, b)
+  if cfg.impl == "triton":
+    from jaxfuse.kernels.triton import elementwise as triton_elementwise
+
+    return base.kernel_call(triton_elementwise.add_forward, _xla_add, a, b)
   return _xla_add(a, b)
 
 
@@ -229,6 +234,11 @@ def _act_forward(c, cfg):
     kernel = functools.partial(pallas_elementwise.act_forward, fn=cfg.fn,
                                interpret=cfg.interpret)
     return base.kernel_call(kernel, twin, c)
+  if cfg.impl == "triton":
+    from jaxfuse.kernels.triton import elementwise as triton_elementwise
+
+    kernel = functools.partial(triton_elementwise.act_forward, act=cfg.name)
+    return base.kernel_call(kernel, twin, c)
   return twin(c)
 
 
@@ -247,6 +257,11 @@ def _act_bwd(cfg, c, g):
   if cfg.impl == "pallas":
     kernel = functools.partial(pallas_elementwise.act_backward, fn=cfg.fn,
                                interpret=cfg.interpret)
+    return (base.kernel_call(kernel, twin, c, g),)
+  if cfg.impl == "triton":
+    from jaxfuse.kernels.triton import elementwise as triton_elementwise
+
+    kernel = functools.partial(triton_elementwise.act_backward, act=cfg.name)
     return (base.kernel_call(kernel, twin, c, g),)
   return (twin(c, g),)
 
@@ -287,6 +302,11 @@ def _relu_forward(x, cfg):
     kernel = functools.partial(pallas_elementwise.act_forward, fn=jax.nn.relu,
                                interpret=cfg.interpret)
     return base.kernel_call(kernel, _xla_relu, x)
+  if cfg.impl == "triton":
+    from jaxfuse.kernels.triton import elementwise as triton_elementwise
+
+    kernel = functools.partial(triton_elementwise.act_forward, act="relu")
+    return base.kernel_call(kernel, _xla_relu, x)
   return _xla_relu(x)
 
 
@@ -306,6 +326,11 @@ def _relu_bwd(cfg, y, g):
     kernel = functools.partial(pallas_elementwise.relu_backward_from_output,
                                interpret=cfg.interpret)
     return (base.kernel_call(kernel, _xla_relu_backward, y, g),)
+  if cfg.impl == "triton":
+    from jaxfuse.kernels.triton import elementwise as triton_elementwise
+
+    return (base.kernel_call(triton_elementwise.relu_backward_from_output, _xla_relu_backward,
+                             y, g),)
   return (_xla_relu_backward(y, g),)
 
 

@@ -13,8 +13,7 @@ the normalized output. The backward kernel recomputes the normalized rows from t
 and arithmetic are float32 for every input dtype; outputs are rounded once.
 
 Implementations: ``"pallas"`` (GPU kernels; interpret mode on CPU for tests), ``"triton"``
-(``@triton.jit`` kernels through jax-triton; not for :func:`add_rms_norm_unfused`) and
-``"xla"``, a ``custom_vjp`` with hand-written backward formulas, arranged so that XLA:CPU fuses
+(``@triton.jit`` kernels through jax-triton) and ``"xla"``, a ``custom_vjp`` with hand-written backward formulas, arranged so that XLA:CPU fuses
 each reduction with its elementwise inputs and keeps no full-size temporaries.
 
 Derivatives: reverse mode to any order, on every implementation: ``jax.grad`` of a function of
@@ -55,7 +54,7 @@ LAYER_NORM = base.Op("layer_norm", ("pallas", "triton", "xla"))
 RMS_NORM = base.Op("rms_norm", ("pallas", "triton", "xla"))
 ADD_LAYER_NORM = base.Op("add_layer_norm", ("pallas", "triton", "xla"))
 ADD_RMS_NORM = base.Op("add_rms_norm", ("pallas", "triton", "xla"))
-ADD_RMS_NORM_UNFUSED = base.Op("add_rms_norm_unfused", ("pallas", "xla"))
+ADD_RMS_NORM_UNFUSED = base.Op("add_rms_norm_unfused", ("pallas", "triton", "xla"))
 
 
 # Plain-jnp references ---------------------------------------------------------------------------
@@ -126,19 +125,29 @@ class _Config(base.Config):
   eps: float
 
 
-def _config(op: base.Op, x, implementation, *, centered, eps) -> _Config:
-  cfg = _Config(**op.backend(implementation), centered=centered, eps=float(eps))
-  if cfg.impl == "pallas" and x.shape[-1] > pallas_norm.MAX_HIDDEN:
-    raise ValueError(f"{op.name}: implementation='pallas' takes a hidden size (x.shape[-1]) of "
-                     f"at most {pallas_norm.MAX_HIDDEN}, got {x.shape[-1]}; use 'xla'")
-  if cfg.impl == "triton":
+def _max_hidden(impl: str) -> int | None:
+  """The widest row the kernels of ``impl`` take (None: any)."""
+  if impl == "pallas":
+    return pallas_norm.MAX_HIDDEN
+  if impl == "triton":
     from jaxfuse.kernels.triton import normalization as triton_norm
 
-    if x.shape[-1] > triton_norm.MAX_HIDDEN:
-      raise ValueError(f"{op.name}: implementation='triton' takes a hidden size (x.shape[-1]) "
-                       f"of at most {triton_norm.MAX_HIDDEN}, got {x.shape[-1]}; use 'pallas' "
-                       f"or 'xla'")
-  return cfg
+    return triton_norm.MAX_HIDDEN
+  return None
+
+
+def _config(op: base.Op, x, implementation, *, centered, eps) -> _Config:
+  backend = op.backend(implementation)
+  limit = _max_hidden(backend["impl"])
+  if limit is not None and x.shape[-1] > limit:
+    if implementation is None:  # the kernels' rows would not fit: XLA takes any width
+      backend = {"impl": "xla", "interpret": False}
+    else:
+      alternatives = "'xla'" if backend["impl"] == "pallas" else "'pallas' or 'xla'"
+      raise ValueError(f"{op.name}: implementation={backend['impl']!r} takes a hidden size "
+                       f"(x.shape[-1]) of at most {limit}, got {x.shape[-1]}; use "
+                       f"{alternatives}")
+  return _Config(**backend, centered=centered, eps=float(eps))
 
 
 # Public ops -------------------------------------------------------------------------------------
@@ -456,6 +465,10 @@ def _add(a, b, cfg):
   if cfg.impl == "pallas":
     kernel = functools.partial(pallas_elementwise.add_forward, interpret=cfg.interpret)
     return base.kernel_call(kernel, _xla_add, a, b)
+  if cfg.impl == "triton":
+    from jaxfuse.kernels.triton import elementwise as triton_elementwise
+
+    return base.kernel_call(triton_elementwise.add_forward, _xla_add, a, b)
   return _xla_add(a, b)
 
 

@@ -24,16 +24,32 @@ from jax.experimental.pallas import triton as pl_triton
 
 from . import common
 
-# GPU tiles: tokens x vocabulary x hidden. Interpret mode loops over tiles in Python-free XLA
-# loops, so it takes bigger ones.
+# GPU tiles: tokens x vocabulary x hidden, and warps. float32 products are IEEE (FMAs, whose
+# operands and accumulators live in registers): at the 2-byte tiles and warps they spill on
+# sm_90a, so float32 takes narrower vocabulary tiles over 8 warps. Interpret mode loops over
+# tiles in Python-free XLA loops, so it takes bigger ones.
 GPU_BLOCKS = (64, 128, 32)
+GPU_WARPS = 4
+GPU_BLOCKS_F32 = (64, 64, 32)
+GPU_WARPS_F32 = 8
 INTERPRET_BLOCKS = (64, 256, 128)
 _INT_MAX = jnp.iinfo(jnp.int32).max
 
 
-def _blocks(n, v, d, interpret, blocks):
-  bt, bv, bd = blocks or (INTERPRET_BLOCKS if interpret else GPU_BLOCKS)
+def gpu_blocks(dtype) -> tuple[int, int, int]:
+  """The GPU tiles (tokens, vocabulary, hidden) for inputs of ``dtype``."""
+  return GPU_BLOCKS_F32 if jnp.dtype(dtype) == jnp.float32 else GPU_BLOCKS
+
+
+def _blocks(n, v, d, interpret, blocks, dtype):
+  bt, bv, bd = blocks or (INTERPRET_BLOCKS if interpret else gpu_blocks(dtype))
   return common.block_for(n, bt), common.block_for(v, bv), common.block_for(d, bd)
+
+
+def _warps(num_warps, dtype) -> int:
+  if num_warps is not None:
+    return num_warps
+  return GPU_WARPS_F32 if jnp.dtype(dtype) == jnp.float32 else GPU_WARPS
 
 
 def _tile_logits(h_ref, w_ref, b_ref, row0, rows_ok, col0, cols_ok, *, bt, bv, bd, d, softcap):
@@ -101,7 +117,7 @@ def _stats_kernel(*refs, n, v, d, bt, bv, bd, softcap, has_bias):
 
 
 def stats_forward(h, w, bias, labels, *, softcap=None, interpret=False, blocks=None,
-                  num_warps=4):
+                  num_warps=None):
   """Per-token logsumexp, target logit, sum of logits and argmax of ``h @ w.T + bias``.
 
   Args:
@@ -109,14 +125,17 @@ def stats_forward(h, w, bias, labels, *, softcap=None, interpret=False, blocks=N
       a label outside ``[0, V)`` gathers 0).
     softcap: logits become ``softcap * tanh(logits / softcap)`` first.
     interpret: Pallas interpret mode (CPU tests).
-    blocks: ``(tokens, vocabulary, hidden)`` tile sizes, powers of 2.
+    blocks: ``(tokens, vocabulary, hidden)`` tile sizes, powers of 2 (default
+      :func:`gpu_blocks`, or larger ones in interpret mode).
+    num_warps: warps per program (default ``GPU_WARPS``, ``GPU_WARPS_F32`` for float32).
 
   Returns:
     ``(lse, target, sum, argmax)``, each ``[N]``: float32 and the last int32.
   """
   n, d = h.shape
   v = w.shape[0]
-  bt, bv, bd = _blocks(n, v, d, interpret, blocks)
+  bt, bv, bd = _blocks(n, v, d, interpret, blocks, h.dtype)
+  num_warps = _warps(num_warps, h.dtype)
   has_bias = bias is not None
   kernel = functools.partial(_stats_kernel, n=n, v=v, d=d, bt=bt, bv=bv, bd=bd, softcap=softcap,
                              has_bias=has_bias)
@@ -171,16 +190,17 @@ def _grad_kernel(*refs, n, v, d, bt, bv, bd, softcap, has_bias, smoothing):
 
 
 def logit_grad(h, w, bias, labels, lse, a, b, c, *, softcap=None, smoothing=True,
-               interpret=False, blocks=None, num_warps=4, out_dtype=None):
+               interpret=False, blocks=None, num_warps=None, out_dtype=None):
   """The logit gradient ``[N, V]`` of a chunk of tokens, recomputing the logits tile by tile.
 
   ``dz = a * exp(z - lse) - b * onehot(label) - c`` per token (``a, b, c, lse``: ``[N]``
   float32), times ``1 - (z / softcap)**2`` when soft-capped, in ``out_dtype`` (h's dtype by
-  default).
+  default); tiles and warps as in :func:`stats_forward`.
   """
   n, d = h.shape
   v = w.shape[0]
-  bt, bv, bd = _blocks(n, v, d, interpret, blocks)
+  bt, bv, bd = _blocks(n, v, d, interpret, blocks, h.dtype)
+  num_warps = _warps(num_warps, h.dtype)
   has_bias = bias is not None
   out_dtype = out_dtype or h.dtype
   kernel = functools.partial(_grad_kernel, n=n, v=v, d=d, bt=bt, bv=bv, bd=bd, softcap=softcap,

@@ -100,34 +100,51 @@ class BlockSizes:
 # shrink as the head dim and the element size grow, to keep the q tile, the double-buffered
 # k/v tiles and the accumulators within shared memory and registers. `autotune` refines them.
 # float32 products are IEEE (no tensor cores): Triton computes them with FMAs, whose operands
-# and accumulators live in registers, so the float32 tiles are small and spread over 8 warps.
+# and accumulators live in registers, so the float32 tiles are small and spread over 8 warps
+# (at head dim 128 a 32 x 32 tile spilled in one kernel or another, Pallas or Triton).
 # Every entry compiles for sm_90a without spilling registers (`python -m benchmarks kernels`
-# measures them, tests/test_kernel_resources.py checks the 2-byte ones).
+# measures them, tests/test_kernel_resources.py checks the 2-byte ones). At head dim 256 the dq
+# (and dbias) tile is 32 x 16: at 32 x 32 the Triton dq kernel spilled, and the dbias kernels,
+# which have no loop to stage their [32, 256] operands through shared memory, reached 255
+# registers and spilled.
 HEURISTIC_TABLE: dict[tuple[int, int], BlockSizes] = {
     (64, 2): BlockSizes(128, 64, 64, 64, 64, 64, num_warps=4, num_stages=3,
                         num_warps_bwd=4, num_stages_bwd=2),
     (128, 2): BlockSizes(128, 64, 64, 64, 64, 64, num_warps=8, num_stages=3,
                          num_warps_bwd=8, num_stages_bwd=2),
-    (256, 2): BlockSizes(64, 32, 32, 32, 32, 32, num_warps=8, num_stages=2,
+    (256, 2): BlockSizes(64, 32, 32, 16, 32, 32, num_warps=8, num_stages=2,
                          num_warps_bwd=8, num_stages_bwd=1),
     (64, 4): BlockSizes(64, 32, 64, 32, 32, 32, num_warps=8, num_stages=2,
                         num_warps_bwd=8, num_stages_bwd=2),
-    (128, 4): BlockSizes(32, 32, 32, 16, 32, 32, num_warps=8, num_stages=2,
+    (128, 4): BlockSizes(32, 16, 16, 16, 16, 32, num_warps=8, num_stages=2,
                          num_warps_bwd=8, num_stages_bwd=2),
     (256, 4): BlockSizes(32, 16, 32, 32, 32, 16, num_warps=4, num_stages=2,
+                         num_warps_bwd=8, num_stages_bwd=2),
+}
+
+# With a bias the kernels also hold a float32 bias tile ([block_q, block_k]) in registers:
+# where that pushes an entry above to 255 registers and into spills on sm_90a (the Triton
+# kernels' forward at head dim 64, their dk/dv at 128), these replace it.
+BIAS_HEURISTIC_TABLE: dict[tuple[int, int], BlockSizes] = {
+    (64, 2): BlockSizes(64, 64, 64, 64, 64, 64, num_warps=4, num_stages=3,
+                        num_warps_bwd=4, num_stages_bwd=2),
+    (128, 2): BlockSizes(128, 64, 64, 64, 32, 64, num_warps=8, num_stages=3,
                          num_warps_bwd=8, num_stages_bwd=2),
 }
 
 MAX_HEAD_DIM = 256
 
 
-def heuristic_block_sizes(head_dim: int, dtype) -> BlockSizes:
-  """The table's entry for this head dim (rounded up to 64, 128 or 256) and element size."""
+def heuristic_block_sizes(head_dim: int, dtype, *, has_bias: bool = False) -> BlockSizes:
+  """The table's entry for this head dim (rounded up to 64, 128 or 256) and element size
+  (:data:`BIAS_HEURISTIC_TABLE`'s, where it has one, for a call with a bias)."""
   if head_dim > MAX_HEAD_DIM:
-    raise ValueError(f"attention: the Pallas kernels take head dims up to {MAX_HEAD_DIM}, "
-                     f"got {head_dim}")
+    raise ValueError(f"attention: the Pallas and Triton kernels take head dims up to "
+                     f"{MAX_HEAD_DIM}, got {head_dim}")
   padded = max(64, common.next_power_of_2(head_dim))
   size = 2 if jnp.dtype(dtype).itemsize <= 2 else 4
+  if has_bias and (padded, size) in BIAS_HEURISTIC_TABLE:
+    return BIAS_HEURISTIC_TABLE[(padded, size)]
   return HEURISTIC_TABLE[(padded, size)]
 
 
@@ -377,10 +394,12 @@ def _query_tiles(spec, ks, bq, bk, kv_limit, offset):
   """For the key tile starting at ``ks``: ``(lo, a, b, hi)`` over query tiles of ``bq``.
   ``[lo, a)`` is crossed by the diagonal; with a window, ``[b, hi)`` by its lower edge. A key
   tile wholly past the key limit gets no gradient: it visits nothing."""
-  nq = pl.cdiv(spec.tq, bq)
+  nq = np.int32(pl.cdiv(spec.tq, bq))
   live = ks < kv_limit
   if spec.causal is None:
-    hi = jnp.where(live, nq, 0)
+    # int32 operands, not Python ints: Pallas' Triton lowering gives a weakly typed constant
+    # of a select the other operand's type, here the predicate's (an i1 loop bound).
+    hi = lax.select(live, nq, np.int32(0))
     return 0, 0, hi, hi
   first, last = ks, jnp.minimum(ks + bk, kv_limit) - 1     # the tile's first and last key
   live = live & (first - offset < spec.tq)                  # some row reaches the tile

@@ -6,9 +6,12 @@ per-program partial sums (an ``[n_programs, H]`` float32 buffer, summed outside 
 rather than values accumulated across programs, which run in parallel on a GPU.
 
 ``H`` is covered by power-of-2 column chunks of at most :data:`MAX_COLS` columns. With a single
-chunk (``H <= MAX_COLS``) a tile is read once and kept in registers. Longer rows are walked chunk
-by chunk: once for the statistics (combined across chunks with Chan's formula, which stays
-accurate for rows with a large mean) and once more to normalize. Rows past the end and columns
+chunk (``H <= MAX_COLS``) a tile is read once and kept in registers. The forward kernel walks
+longer rows chunk by chunk: once for the statistics (combined across chunks with Chan's formula,
+which stays accurate for rows with a large mean) and once more to normalize. The backward kernel
+gives each column chunk programs of its own (grid ``(programs, chunks)``), so that a program
+keeps the gradient partials of one chunk in registers, not of the whole row; the two row sums
+its input gradient needs come from one XLA reduction over the rows before it. Rows past the end and columns
 past ``H`` are masked on every load and store, since Pallas' Triton lowering does not bound
 block accesses. Everything is computed in float32; outputs are rounded once.
 
@@ -36,7 +39,7 @@ MAX_COLS = 4096
 TILE_ELEMENTS = 4096
 # Backward programs at most; each keeps one row of the partial scale/bias gradients.
 MAX_BACKWARD_PROGRAMS = 512
-# Column chunks at most in the backward kernel (its gradient accumulators are per chunk).
+# Column chunks at most: rows of up to MAX_HIDDEN columns.
 MAX_CHUNKS = 16
 MAX_HIDDEN = MAX_COLS * MAX_CHUNKS
 
@@ -243,11 +246,16 @@ def _backward_kernel(*refs, n_rows, n_cols, t: Tiling, tiles_per_program, center
   scale_ref = refs.pop(0) if has_scale else None
   mean_ref = refs.pop(0) if centered else None
   rstd_ref = refs.pop(0)
+  # Rows of several chunks come with their row sums (see `backward`).
+  c1_ref = refs.pop(0) if t.chunks > 1 else None
+  c2_ref = refs.pop(0) if t.chunks > 1 and centered else None
   dx_ref = refs.pop(0)
   dscale_ref = refs.pop(0) if has_scale else None
   dbias_ref = refs.pop(0) if has_bias else None
 
   program = pl.program_id(0)
+  start = _chunk_start(pl.program_id(1), t.cols)     # this program's column chunk
+  col_ok = _col_mask(start, t.cols, n_cols)
   inv_n = 1.0 / n_cols
 
   def tile_body(i, acc):
@@ -257,76 +265,62 @@ def _backward_kernel(*refs, n_rows, n_cols, t: Tiling, tiles_per_program, center
     stat_idx = (rows, pl.ds(0, 1))
     rstd = _load(rstd_ref, stat_idx, row_ok)
     mean = _load(mean_ref, stat_idx, row_ok) if centered else None
-
-    def chunk(start):
-      col_ok = _col_mask(start, t.cols, n_cols)
-      mask = row_ok & col_ok
-      idx = (rows, pl.ds(start, t.cols))
-      x = _load(x_ref, idx, mask)
-      xhat = (x - mean) * rstd if centered else x * rstd
-      g = _load(g_ref, idx, mask)
-      gs = g * _load_params(scale_ref, start, t.cols, col_ok) if has_scale else g
-      return idx, mask, xhat, g, gs
-
-    # Pass 1: the row sums the input gradient needs, sum(g*s * xhat) and (LayerNorm) sum(g*s).
-    zeros = jnp.zeros((t.rows, 1), F32)
-    cached = None
-    if t.chunks == 1:
-      cached = chunk(0)
-      _, _, xhat, _, gs = cached
-      c1 = jnp.sum(gs * xhat, axis=1, keepdims=True)
-      c2 = jnp.sum(gs, axis=1, keepdims=True) if centered else zeros
+    mask = row_ok & col_ok
+    idx = (rows, pl.ds(start, t.cols))
+    x = _load(x_ref, idx, mask)
+    xhat = (x - mean) * rstd if centered else x * rstd
+    g = _load(g_ref, idx, mask)
+    gs = g * _load_params(scale_ref, start, t.cols, col_ok) if has_scale else g
+    # The row sums the input gradient needs: sum(g*s * xhat) and (LayerNorm) sum(g*s).
+    if c1_ref is None:
+      c1 = jnp.sum(gs * xhat, axis=1, keepdims=True) * inv_n
+      c2 = jnp.sum(gs, axis=1, keepdims=True) * inv_n if centered else None
     else:
-      def sums(c, carry):
-        _, _, xhat, _, gs = chunk(_chunk_start(c, t.cols))
-        s1, s2 = carry
-        s1 = s1 + jnp.sum(gs * xhat, axis=1, keepdims=True)
-        if centered:
-          s2 = s2 + jnp.sum(gs, axis=1, keepdims=True)
-        return s1, s2
-
-      c1, c2 = lax.fori_loop(0, t.chunks, sums, (zeros, zeros))
-    c1 = c1 * inv_n
-    c2 = c2 * inv_n
-
-    # Pass 2: the input gradient, and this tile's share of the parameter gradients.
-    new_acc = []
-    for c in range(t.chunks):
-      idx, mask, xhat, g, gs = cached if cached is not None else chunk(_chunk_start(c, t.cols))
-      dx = gs - xhat * c1
-      if centered:
-        dx = dx - c2
-      dx = dx * rstd
-      if has_sum_grad:
-        dx = dx + _load(gz_ref, idx, mask)
-      pl_triton.store(dx_ref.at[idx], dx.astype(dx_ref.dtype), mask=mask)
-      parts = []
-      if has_scale:
-        parts.append(jnp.sum(g * xhat, axis=0, keepdims=True))
-      if has_bias:
-        parts.append(jnp.sum(g, axis=0, keepdims=True))
-      new_acc.append(tuple(a + p for a, p in zip(acc[c], parts)))
-    return tuple(new_acc)
+      c1 = _load(c1_ref, stat_idx, row_ok)
+      c2 = _load(c2_ref, stat_idx, row_ok) if centered else None
+    dx = gs - xhat * c1
+    if centered:
+      dx = dx - c2
+    dx = dx * rstd
+    if has_sum_grad:
+      dx = dx + _load(gz_ref, idx, mask)
+    pl_triton.store(dx_ref.at[idx], dx.astype(dx_ref.dtype), mask=mask)
+    # This tile's share of the parameter gradients.
+    parts = []
+    if has_scale:
+      parts.append(jnp.sum(g * xhat, axis=0, keepdims=True))
+    if has_bias:
+      parts.append(jnp.sum(g, axis=0, keepdims=True))
+    return tuple(a + p for a, p in zip(acc, parts))
 
   n_acc = int(has_scale) + int(has_bias)
-  init = tuple(tuple(jnp.zeros((1, t.cols), F32) for _ in range(n_acc))
-               for _ in range(t.chunks))
-  acc = lax.fori_loop(0, tiles_per_program, tile_body, init)
-  for c in range(t.chunks):
-    start = _chunk_start(c, t.cols)
-    col_ok = _col_mask(start, t.cols, n_cols)
-    idx = (pl.ds(program, 1), pl.ds(start, t.cols))
-    parts = list(acc[c])
-    if has_scale:
-      pl_triton.store(dscale_ref.at[idx], parts.pop(0), mask=col_ok)
-    if has_bias:
-      pl_triton.store(dbias_ref.at[idx], parts.pop(0), mask=col_ok)
+  init = tuple(jnp.zeros((1, t.cols), F32) for _ in range(n_acc))
+  acc = list(lax.fori_loop(0, tiles_per_program, tile_body, init))
+  idx = (pl.ds(program, 1), pl.ds(start, t.cols))
+  if has_scale:
+    pl_triton.store(dscale_ref.at[idx], acc.pop(0), mask=col_ok)
+  if has_bias:
+    pl_triton.store(dbias_ref.at[idx], acc.pop(0), mask=col_ok)
+
+
+def _row_sums(x, g, scale, mean, rstd):
+  """``(c1, c2)``: the float32 ``(rows, 1)`` row means of ``g*s * xhat`` and (LayerNorm, else
+  None) of ``g*s``, one XLA reduction over the rows."""
+  n_cols = x.shape[1]
+  x, g = x.astype(F32), g.astype(F32)
+  xhat = (x - mean) * rstd if mean is not None else x * rstd
+  gs = g * scale.astype(F32) if scale is not None else g
+  c1 = jnp.sum(gs * xhat, axis=1, keepdims=True) * (1.0 / n_cols)
+  c2 = jnp.sum(gs, axis=1, keepdims=True) * (1.0 / n_cols) if mean is not None else None
+  return c1, c2
 
 
 def backward(x, g, sum_grad, scale, mean, rstd, *, has_bias: bool, interpret: bool = False,
              tile: Tiling | None = None, max_programs: int = MAX_BACKWARD_PROGRAMS,
              name: str | None = None):
-  """Gradients of a row normalization, recomputing the normalized rows from ``x``.
+  """Gradients of a row normalization, recomputing the normalized rows from ``x``: one kernel,
+  after an XLA reduction of the row sums the input gradient needs when a row spans several
+  column chunks.
 
   Args:
     x: ``(rows, H)``, the rows that were normalized (``x + residual`` for the add variants).
@@ -358,6 +352,9 @@ def backward(x, g, sum_grad, scale, mean, rstd, *, has_bias: bool, interpret: bo
   if has_scale:
     inputs.append(scale.reshape(1, n_cols))
   inputs += [mean, rstd] if centered else [rstd]
+  if t.chunks > 1:
+    c1, c2 = _row_sums(x, g, scale, mean, rstd)
+    inputs += [c1, c2] if centered else [c1]
   partial = jax.ShapeDtypeStruct((n_programs, n_cols), F32)
   out_shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype)]
   out_shapes += [partial] * (int(has_scale) + int(has_bias))
@@ -369,7 +366,7 @@ def backward(x, g, sum_grad, scale, mean, rstd, *, has_bias: bool, interpret: bo
   outs = pl.pallas_call(
       kernel,
       out_shape=out_shapes,
-      grid=(n_programs,),
+      grid=(n_programs, t.chunks),
       interpret=interpret,
       compiler_params=common.triton_params(num_warps=t.num_warps),
       cost_estimate=common.cost(inputs, out_shapes, flops=(10 if centered else 8) * x.size,

@@ -34,6 +34,10 @@ from .elementwise import activation
 # GPU tiles: tokens x vocabulary x hidden (the Pallas kernels' GPU tiles).
 GPU_BLOCKS = (64, 128, 32)
 NUM_WARPS = 4
+# float32 products are IEEE FMAs whose operands live in registers: the 64x128 logit tile
+# spills on sm_90a with 4 warps (336 B a thread); 64x64 over 8 warps does not.
+GPU_BLOCKS_F32 = (64, 64, 32)
+NUM_WARPS_F32 = 8
 NUM_STAGES = 2
 _NEG_INF = tl.constexpr(float("-inf"))
 _INT_MAX = tl.constexpr(2**31 - 1)
@@ -132,10 +136,20 @@ def _block(n: int, cap: int) -> int:
   return max(16, min(cap, 1 if n <= 1 else 1 << (int(n) - 1).bit_length()))
 
 
-def block_sizes(n: int, v: int, d: int, blocks=None) -> tuple[int, int, int]:
+def gpu_blocks(dtype_name: str) -> tuple[int, int, int]:
+  """The tile caps for inputs of ``dtype_name``."""
+  return GPU_BLOCKS_F32 if dtype_name == "float32" else GPU_BLOCKS
+
+
+def gpu_warps(dtype_name: str) -> int:
+  return NUM_WARPS_F32 if dtype_name == "float32" else NUM_WARPS
+
+
+def block_sizes(n: int, v: int, d: int, blocks=None, dtype_name: str = "bfloat16"
+                ) -> tuple[int, int, int]:
   """``(BT, BV, BD)``: token, vocabulary and hidden tiles (``blocks`` caps them; default
-  :data:`GPU_BLOCKS`)."""
-  bt, bv, bd = blocks or GPU_BLOCKS
+  :func:`gpu_blocks` of the dtype)."""
+  bt, bv, bd = blocks or gpu_blocks(dtype_name)
   return _block(n, bt), _block(v, bv), _block(d, bd)
 
 
@@ -152,26 +166,27 @@ class Launch:
 
 
 def _constants(n, v, d, blocks, softcap, has_bias, dtype_name) -> dict:
-  bt, bv, bd = block_sizes(n, v, d, blocks)
+  bt, bv, bd = block_sizes(n, v, d, blocks, dtype_name)
   return dict(N=n, V=v, D=d, BT=bt, BV=bv, BD=bd, SOFTCAP=float(softcap or 0.0),
               HAS_BIAS=bool(has_bias), PRECISION="ieee" if dtype_name == "float32" else "tf32")
 
 
 def stats_launch(n: int, v: int, d: int, *, softcap=None, has_bias=False, dtype_name="float32",
-                 blocks=None, num_warps=NUM_WARPS) -> Launch:
+                 blocks=None, num_warps=None) -> Launch:
   """The statistics kernel's launch for ``h [n, d]``, ``w [v, d]``: grid (token blocks,)."""
   c = _constants(n, v, d, blocks, softcap, has_bias, dtype_name)
-  return Launch(xent_stats_kernel, (math.ceil(n / c["BT"]),), c, num_warps)
+  return Launch(xent_stats_kernel, (math.ceil(n / c["BT"]),), c,
+                num_warps or gpu_warps(dtype_name))
 
 
 def logit_grad_launch(n: int, v: int, d: int, *, softcap=None, has_bias=False,
                       smoothing=True, dtype_name="float32", blocks=None,
-                      num_warps=NUM_WARPS) -> Launch:
+                      num_warps=None) -> Launch:
   """The logit-gradient kernel's launch: grid (token blocks, vocabulary tiles)."""
   c = _constants(n, v, d, blocks, softcap, has_bias, dtype_name)
   c["SMOOTHING"] = bool(smoothing)
   return Launch(xent_logit_grad_kernel, (math.ceil(n / c["BT"]), math.ceil(v / c["BV"])), c,
-                num_warps)
+                num_warps or gpu_warps(dtype_name))
 
 
 def _call(launch: Launch, operands, out_shape):
@@ -182,7 +197,7 @@ def _call(launch: Launch, operands, out_shape):
       num_warps=launch.num_warps, num_stages=launch.num_stages, **launch.constants)
 
 
-def stats_forward(h, w, bias, labels, *, softcap=None, blocks=None, num_warps=NUM_WARPS):
+def stats_forward(h, w, bias, labels, *, softcap=None, blocks=None, num_warps=None):
   """Per-token logsumexp, target logit, sum of logits and argmax of ``h @ w.T + bias`` (GPU).
 
   Args:
@@ -209,7 +224,7 @@ def stats_forward(h, w, bias, labels, *, softcap=None, blocks=None, num_warps=NU
 
 
 def logit_grad(h, w, bias, labels, lse, a, b, c, *, softcap=None, smoothing=True, blocks=None,
-               num_warps=NUM_WARPS, out_dtype=None):
+               num_warps=None, out_dtype=None):
   """The logit gradient ``[N, V]`` of a chunk of tokens, recomputing the logits tile by tile
   (GPU).
 

@@ -1,4 +1,5 @@
-"""Triton kernels for the seed's fused ``act(a + b)``, called from JAX through jax-triton.
+"""Triton kernels for the seed's fused ``act(a + b)`` and its unfused chain (an add kernel, then
+an ``act`` kernel), and relu's, called from JAX through jax-triton.
 
 The kernels take flat pointers, the element count ``N`` and the activation ``ACT`` as
 compile-time constants, and mask the tail block. They compute in float32 and store in the output
@@ -117,31 +118,96 @@ def add_act_bwd_kernel(a_ptr, b_ptr, g_ptr, out_ptr, N: tl.constexpr, BLOCK: tl.
   tl.store(out_ptr + offsets, d.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+# The unfused chain's kernels: an add, then ``ACT`` alone, each reading and writing memory, and
+# the backward of relu from its output. They are the baselines the fused kernels are measured
+# against, and relu's kernels.
+
+
+@triton.jit
+def add_kernel(a_ptr, b_ptr, out_ptr, N: tl.constexpr, BLOCK: tl.constexpr):
+  offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+  mask = offsets < N
+  a = tl.load(a_ptr + offsets, mask=mask).to(tl.float32)
+  b = tl.load(b_ptr + offsets, mask=mask).to(tl.float32)
+  tl.store(out_ptr + offsets, (a + b).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def act_fwd_kernel(c_ptr, out_ptr, N: tl.constexpr, BLOCK: tl.constexpr, ACT: tl.constexpr):
+  offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+  mask = offsets < N
+  c = tl.load(c_ptr + offsets, mask=mask).to(tl.float32)
+  tl.store(out_ptr + offsets, activation(c, ACT).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def act_bwd_kernel(c_ptr, g_ptr, out_ptr, N: tl.constexpr, BLOCK: tl.constexpr,
+                   ACT: tl.constexpr):
+  offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+  mask = offsets < N
+  c = tl.load(c_ptr + offsets, mask=mask).to(tl.float32)
+  g = tl.load(g_ptr + offsets, mask=mask).to(tl.float32)
+  d = g * activation_grad(c, ACT)
+  tl.store(out_ptr + offsets, d.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def relu_bwd_from_output_kernel(y_ptr, g_ptr, out_ptr, N: tl.constexpr, BLOCK: tl.constexpr):
+  offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+  mask = offsets < N
+  y = tl.load(y_ptr + offsets, mask=mask).to(tl.float32)
+  g = tl.load(g_ptr + offsets, mask=mask).to(tl.float32)
+  tl.store(out_ptr + offsets, tl.where(y > 0.0, g, 0.0).to(out_ptr.dtype.element_ty), mask=mask)
+
+
 def grid_for(n: int, block: int = BLOCK) -> tuple[int]:
   return (max(1, math.ceil(n / block)),)
 
 
-def add_act_forward(a, b, act: str):
-  """``act(a + b)`` through jax-triton (GPU only)."""
+def _flat_call(kernel, inputs, out_dtype, **constants):
+  """One launch of an elementwise ``kernel`` over the flattened same-shaped ``inputs``: its
+  output in their shape, in ``out_dtype``."""
   import jax
+  import jax.numpy as jnp
   import jax_triton
 
-  n = a.size
+  shape, n = inputs[0].shape, inputs[0].size
+  if n == 0:
+    return jnp.zeros(shape, out_dtype)
   out = jax_triton.triton_call(
-      a.reshape(n), b.reshape(n), kernel=add_act_fwd_kernel,
-      out_shape=jax.ShapeDtypeStruct((n,), a.dtype), grid=grid_for(n),
-      num_warps=NUM_WARPS, N=n, BLOCK=BLOCK, ACT=act)
-  return out.reshape(a.shape)
+      *(x.reshape(n) for x in inputs), kernel=kernel,
+      out_shape=jax.ShapeDtypeStruct((n,), out_dtype), grid=grid_for(n),
+      num_warps=NUM_WARPS, N=n, BLOCK=BLOCK, **constants)
+  return out.reshape(shape)
+
+
+def add_act_forward(a, b, act: str):
+  """``act(a + b)`` through jax-triton (GPU only)."""
+  return _flat_call(add_act_fwd_kernel, (a, b), a.dtype, ACT=act)
 
 
 def add_act_backward(a, b, g, act: str):
   """``g * act'(a + b)`` through jax-triton (GPU only)."""
-  import jax
-  import jax_triton
+  return _flat_call(add_act_bwd_kernel, (a, b, g), a.dtype, ACT=act)
 
-  n = a.size
-  out = jax_triton.triton_call(
-      a.reshape(n), b.reshape(n), g.reshape(n), kernel=add_act_bwd_kernel,
-      out_shape=jax.ShapeDtypeStruct((n,), a.dtype), grid=grid_for(n),
-      num_warps=NUM_WARPS, N=n, BLOCK=BLOCK, ACT=act)
-  return out.reshape(a.shape)
+
+def add_forward(a, b):
+  """``a + b`` through jax-triton (GPU only): the first kernel of the unfused chain."""
+  return _flat_call(add_kernel, (a, b), a.dtype)
+
+
+def act_forward(c, act: str):
+  """``act(c)`` through jax-triton (GPU only): the second kernel of the unfused chain."""
+  return _flat_call(act_fwd_kernel, (c,), c.dtype, ACT=act)
+
+
+def act_backward(c, g, act: str):
+  """``g * act'(c)`` through jax-triton (GPU only): the unfused chain's backward, reading the
+  saved ``c``."""
+  return _flat_call(act_bwd_kernel, (c, g), c.dtype, ACT=act)
+
+
+def relu_backward_from_output(y, g):
+  """``g`` where ``y > 0``, else 0, through jax-triton (GPU only): relu's backward from its saved
+  output."""
+  return _flat_call(relu_bwd_from_output_kernel, (y, g), g.dtype)

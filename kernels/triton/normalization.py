@@ -30,7 +30,11 @@ import math
 import triton
 import triton.language as tl
 
-MAX_HIDDEN = 32768
+# The widest row. The backward kernel holds whole rows of x, g and the scale and its two float32
+# gradient accumulators in registers, at most 128 a thread with 16 warps: past 8192 columns it
+# spills on sm_90a (bfloat16 at 16384: 392 to 752 bytes a thread; at 32768: over 6 KB). Wider
+# rows take the Pallas kernels, which walk a row in chunks, or XLA.
+MAX_HIDDEN = 8192
 # Backward programs at most; each keeps one row of the partial scale (and bias) gradients.
 MAX_BACKWARD_PROGRAMS = 1024
 

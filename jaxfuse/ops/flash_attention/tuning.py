@@ -2,7 +2,7 @@
 
 :func:`block_sizes_for` gives the sizes a call uses: a cached autotuned choice (in memory, or
 in the JSON file named by ``$JAXFUSE_ATTENTION_TUNING``), else the heuristic table's entry for
-the head dim and dtype. :func:`autotune` times candidates on the GPU and caches the fastest.
+the head dim, dtype and bias presence. :func:`autotune` times candidates on the GPU and caches the fastest.
 """
 
 from __future__ import annotations
@@ -47,15 +47,17 @@ def _load_cache_file(path: str) -> None:
 
 
 def block_sizes_for(q, k, *, causal: bool, has_bias: bool = False) -> BlockSizes:
-  """The tile sizes the Pallas kernels use for these shapes: the autotuned choice if one is
-  cached (in memory, or in the JSON file named by ``$JAXFUSE_ATTENTION_TUNING``), else the
-  heuristic table's, clipped to the sequence lengths."""
+  """The tile sizes the Pallas (and Triton) kernels use for these shapes: the autotuned choice
+  if one is cached (in memory, or in the JSON file named by ``$JAXFUSE_ATTENTION_TUNING``), else
+  the heuristic table's for the head dim, dtype and bias presence, clipped to the sequence
+  lengths."""
   path = os.environ.get(_CACHE_ENV)
   if path and path not in _loaded_cache_files:
     _loaded_cache_files.add(path)
     _load_cache_file(path)
   key = _tuning_key(q.shape, k.shape, q.dtype, causal, has_bias)
-  sizes = _AUTOTUNE_CACHE.get(key) or heuristic_block_sizes(q.shape[-1], q.dtype)
+  sizes = _AUTOTUNE_CACHE.get(key) or heuristic_block_sizes(q.shape[-1], q.dtype,
+                                                             has_bias=has_bias)
   return sizes.clipped(q.shape[1], k.shape[1])
 
 
@@ -65,9 +67,9 @@ def clear_autotune_cache() -> None:
   _loaded_cache_files.clear()
 
 
-def default_candidates(head_dim: int, dtype) -> list[BlockSizes]:
+def default_candidates(head_dim: int, dtype, *, has_bias: bool = False) -> list[BlockSizes]:
   """The heuristic choice and its neighbours: tiles of 32..128, 4 or 8 warps, 1..3 stages."""
-  base = heuristic_block_sizes(head_dim, dtype)
+  base = heuristic_block_sizes(head_dim, dtype, has_bias=has_bias)
   out = [base]
   for fwd in ((128, 64), (64, 64), (128, 32), (64, 32)):
     for bwd in ((64, 64), (32, 64), (64, 32), (32, 32)):
@@ -109,7 +111,8 @@ def autotune(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
 
   dispatch.resolve("attention.autotune", "pallas", attention_op.ATTENTION.implementations)
   arguments.check("attention.autotune", q, k, v, None, None, bias)
-  candidates = list(candidates or default_candidates(q.shape[-1], q.dtype))
+  candidates = list(candidates or default_candidates(q.shape[-1], q.dtype,
+                                                     has_bias=bias is not None))
   timer = timer or _wall_time
   interpret = not dispatch.on_gpu()
   scale = arguments.default_scale(None, q.shape[-1])
