@@ -373,40 +373,65 @@ class Context:
     Console(width=200).print(table)
 
   def default_plot(self, records: Sequence[rec.Record], path: str) -> None:
-    """Bars of median time and of residual bytes, per case and implementation."""
+    """One row of panels per case family (the case name's first word): median time over the
+    row's ``ratio_to`` (or the median time, where no ratio is recorded) on a log axis, and
+    residual bytes, with zero bars labelled ``0``."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cases = list(dict.fromkeys(r.case for r in records))
+    families = list(dict.fromkeys(_family(r.case) for r in records))
     impls = list(dict.fromkeys(r.impl for r in records))
-    fig, axes = plt.subplots(1, 2, figsize=(max(10, 1.6 * len(cases) + 6), 5))
-    width = 0.8 / max(1, len(impls))
-    for panel, (ax, field, label) in enumerate(zip(
-        axes, ("time", "residual_bytes"), ("median time (ms)", "residual bytes (MiB)"))):
-      for k, impl in enumerate(impls):
-        values = []
-        for case in cases:
-          match = [r for r in records if r.case == case and r.impl == impl]
-          r = match[0] if match else None
-          if r is None:
-            values.append(math.nan)
-          elif field == "time":
-            values.append(r.time_ms["median"] if r.time_ms else math.nan)
-          else:
-            values.append(r.residual_bytes / 2**20 if r.residual_bytes is not None else math.nan)
-        xs = np.arange(len(cases)) + k * width
-        ax.bar(xs, values, width, label=impl)
-      ax.set_xticks(np.arange(len(cases)) + 0.4 - width / 2)
-      ax.set_xticklabels(cases, rotation=30, ha="right", fontsize=7)
-      ax.set_ylabel(label)
-      if panel == 0:
-        ax.legend(fontsize=7)
+    colors = {impl: f"C{i}" for i, impl in enumerate(impls)}
+    fig, axes = plt.subplots(len(families), 2, figsize=(14, 4.2 * len(families)), squeeze=False)
+    for row, family in zip(axes, families):
+      mine = [r for r in records if _family(r.case) == family]
+      cases = list(dict.fromkeys(r.case for r in mine))
+      ratios = any(r.ratio is not None for r in mine)
+      width = 0.8 / max(1, len(impls))
+      for ax, field in zip(row, ("time", "residual")):
+        for k, impl in enumerate(impls):
+          xs, values = [], []
+          for i, case in enumerate(cases):
+            r = next((r for r in mine if r.case == case and r.impl == impl), None)
+            if r is None:
+              continue
+            if field == "time":
+              value = r.ratio if ratios else (r.time_ms or {}).get("median")
+            else:
+              value = None if r.residual_bytes is None else r.residual_bytes / 2**20
+            if value is None or not math.isfinite(value):
+              continue
+            xs.append(i + k * width)
+            values.append(value)
+          if xs:
+            ax.bar(xs, values, width, color=colors[impl], label=impl)
+          if field == "residual":
+            for x, v in zip(xs, values):
+              if v == 0:
+                ax.annotate("0", (x, 0), ha="center", va="bottom", fontsize=7)
+        ax.set_xticks(np.arange(len(cases)) + 0.4 - width / 2)
+        ax.set_xticklabels(cases, rotation=20, ha="right", fontsize=7)
+        if field == "time":
+          ax.set_yscale("log")
+          if ratios:
+            ax.axhline(1.0, color="k", lw=0.6)
+          ax.set_ylabel("time / fastest peer (log)" if ratios else "median time, ms (log)")
+        else:
+          ax.set_ylabel("residual bytes (MiB)")
+        ax.set_title(f"{family}: {'time' if field == 'time' else 'residual bytes'}", fontsize=9)
+      row[0].legend(fontsize=7)
+      row[1].legend(fontsize=7)
     fig.suptitle(f"{self.suite} on {self.platform}")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _family(case: str) -> str:
+  """The family a case belongs to in plots: its first word, without a bracketed variant."""
+  return case.split(" ", 1)[0].split("[", 1)[0]
 
 
 def _sync_any(out):

@@ -110,84 +110,8 @@ def write_json(records: Sequence[Record], path: str | Path) -> None:
 
 
 def read_json(path: str | Path) -> list[Record]:
-  """The records in a JSON file; those written before ``sources`` existed are upgraded."""
-  records = [Record(**d) for d in json.loads(Path(path).read_text(encoding="utf-8"))]
-  for r in records:
-    if r.sources is None:
-      _upgrade(r)
-  return records
-
-
-# Records written before ``sources`` ---------------------------------------------------------------
-
-_LEGACY = "recorded before per-row sources were kept"
-_LEGACY_SUFFIX = f" ({_LEGACY})"
-
-
-def _upgrade(r: Record) -> None:
-  """Moves the figures of a record written before ``sources`` existed to their fields now, and
-  says how that version of its suite produced each one (from the suite's code of that time)."""
-  if r.suite == "seed" and r.impl in ("jax-unfused", "jaxfuse-xla") and r.bytes_moved:
-    # The seed suite put XLA's cost analysis into bytes_moved for its XLA rows.
-    r.xla_bytes_accessed, r.bytes_moved = r.bytes_moved, None
-  sources: dict[str, str] = {}
-  if r.time_ms:
-    sources["time_ms"] = "median of interleaved rounds after warm-up"
-  if r.ratio is not None:
-    sources["ratio"] = (
-        "median time over the fastest of torch-eager, torch-compile and tokamax-xla in the "
-        "same case" if r.suite == "norm" else f"median time over {r.ratio_to}'s in the same case")
-  if r.residual_bytes is not None:
-    sources["residual_bytes"] = _legacy_residual_source(r)
-  if r.bytes_moved is not None:
-    sources["bytes_moved"] = _legacy_bytes_source(r)
-  if r.xla_bytes_accessed is not None:
-    sources["xla_bytes_accessed"] = XLA_BYTES_SOURCE
-  if r.flops is not None:
-    sources["flops"] = ("modelled: 14·T²·D per head, causal half" if r.suite == "attention"
-                        else "modelled: 6·N·D·V" if r.suite == "xent" else "modelled")
-  how = _legacy_error_source(r)
-  for field in ("max_abs_err", "max_grad_err"):
-    if getattr(r, field) is not None:
-      sources[field] = how
-  r.sources = {field: source + _LEGACY_SUFFIX for field, source in sources.items()}
-
-
-def _legacy_residual_source(r: Record) -> str:
-  if r.suite == "seed" and r.case.startswith("add_act"):
-    if r.impl == "jax-unfused":
-      return "modelled: n × itemsize (the sum a + b, kept for fn's backward)"
-    if r.impl in ("jaxfuse-pallas", "jaxfuse-triton"):
-      return "copied from the jaxfuse-xla row"
-    if r.impl == "jaxfuse-unfused":
-      return f"{JAX_RESIDUAL_SOURCE}, of add_act_unfused with the default implementation"
-  return TORCH_RESIDUAL_SOURCE if r.impl.startswith("torch") else JAX_RESIDUAL_SOURCE
-
-
-def _legacy_bytes_source(r: Record) -> str:
-  if r.impl == "jaxfuse-triton":
-    module = "elementwise" if r.suite == "seed" else "normalization"
-    return f"{HAND_FORMULA_SOURCE} (jaxfuse.kernels.triton.{module}.traffic_bytes)"
-  # jaxfuse.metrics.bytes_moved then summed the kernels' pl.CostEstimate, which each kernel
-  # wrapper derived from its block specs; the suites traced the kernels in interpret mode.
-  estimate = ("modelled: the kernels' cost estimates (pl.CostEstimate from their block specs, "
-              "interpret-mode tiles), summed by jaxfuse.metrics.bytes_moved")
-  if r.impl == "jax-unfused":
-    return f"{estimate}, of the same chain run as Pallas kernels"
-  return estimate
-
-
-def _legacy_error_source(r: Record) -> str:
-  note = r.note or ""
-  how = f"against {r.reference}"
-  if "interpret" in note and r.impl == "jaxfuse-triton":
-    how = f"Triton's interpreter {how}"
-  elif "interpret" in note:
-    how = f"Pallas interpret mode {how}"
-  if r.reference in ("torch-fp64", "torch-float64"):
-    # The harness then rounded every torch result to float32 before taking differences.
-    how += ", the reference rounded to float32 first (errors below its resolution read 0)"
-  return how
+  """The records in a JSON file."""
+  return [Record(**d) for d in json.loads(Path(path).read_text(encoding="utf-8"))]
 
 
 # Text forms -------------------------------------------------------------------------------------
@@ -277,7 +201,6 @@ def sources_list(records: Sequence[Record]) -> str:
   by_field: dict[str, dict[str, list[str]]] = {}
   for r in records:
     for field, source in (r.sources or {}).items():
-      source = source.removesuffix(_LEGACY_SUFFIX)
       impls = by_field.setdefault(field, {}).setdefault(source, [])
       if r.impl not in impls:
         impls.append(r.impl)
@@ -346,15 +269,7 @@ def table_block(records: Sequence[Record], origin: str) -> str:
   sources = sources_list(records)
   if sources:
     text += f"\nWhere the figures come from:\n\n{sources}\n"
-  if _predate_sources(records):
-    text += ("\nThese records predate per-row sources: the sources above are those of the "
-             "suite's code when the records were made.\n")
   return text
-
-
-def _predate_sources(records: Sequence[Record]) -> bool:
-  return any(source.endswith(_LEGACY_SUFFIX)
-             for r in records for source in (r.sources or {}).values())
 
 
 def headline_block(records: Sequence[Record], origin: str, link: str | None = None) -> str:
@@ -362,11 +277,7 @@ def headline_block(records: Sequence[Record], origin: str, link: str | None = No
   columns = table_columns(records, HEADLINE_COLUMNS)
   text = f"{_summary(records, origin)}\n\n{markdown_table(records, columns)}\n"
   if link:
-    text += f"\nAll cases, every figure and its source: [{link}]({link})."
-    if _predate_sources(records):
-      text += (" These records predate per-row sources; the sources there say how the suite "
-               "produced each figure then.")
-    text += "\n"
+    text += f"\nAll cases, every figure and its source: [{link}]({link}).\n"
   return text
 
 
