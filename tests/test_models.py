@@ -19,8 +19,7 @@ BASE = dict(vocab_size=97, d_model=48, num_layers=1, num_heads=4, num_kv_heads=2
 VARIANTS = {
     "gqa": dict(num_layers=2),
     "mha-tied": dict(num_kv_heads=None, tie_embeddings=True),
-    "qwen2-biases": dict(qkv_bias=True),
-    "llama-biases": dict(qkv_bias=True, o_bias=True, mlp_bias=True),
+    "llama-biases": dict(qkv_bias=True, o_bias=True, mlp_bias=True),   # Qwen2's qkv bias too
     "mistral-window": dict(sliding_window=5),
     "mqa-head-dim": dict(num_kv_heads=1, head_dim=16),
 }
