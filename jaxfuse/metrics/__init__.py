@@ -1,9 +1,10 @@
-"""Measurements: residual bytes, bytes moved, timing and device memory."""
+"""Measurements: residual bytes, FLOPs, bytes moved, timing and device memory."""
 
 from jaxfuse.metrics import traffic, triton_traffic
 from jaxfuse.metrics.cost import KernelCost, bytes_moved, kernel_costs, xla_cost
+from jaxfuse.metrics.flops import flops
 from jaxfuse.metrics.memory import compiled_memory, peak_bytes
-from jaxfuse.metrics.residuals import Residual, residual_bytes, residuals
+from jaxfuse.metrics.residuals import Residual, offloaded_bytes, residual_bytes, residuals
 from jaxfuse.metrics.timing import Timing, interleaved, time_fn
 from jaxfuse.metrics.torch_residuals import torch_residual_bytes, torch_saved_tensors
 from jaxfuse.metrics.traffic import KernelTraffic, OperandTraffic, kernel_traffic
@@ -16,9 +17,11 @@ __all__ = [
     "Timing",
     "bytes_moved",
     "compiled_memory",
+    "flops",
     "interleaved",
     "kernel_costs",
     "kernel_traffic",
+    "offloaded_bytes",
     "peak_bytes",
     "residual_bytes",
     "residuals",

@@ -17,12 +17,14 @@ from jax.extend import core as jex_core
 
 @dataclasses.dataclass(frozen=True)
 class Residual:
-  """One array the backward pass keeps: its shape, dtype, size and the primitive that made it."""
+  """One array the backward pass keeps: its shape, dtype, size, the primitive that made it and
+  where it is kept (``"device"``, or ``"host"`` when a policy offloaded it)."""
 
   shape: tuple[int, ...]
   dtype: str
   nbytes: int
   source: str
+  memory: str = "device"
 
 
 _VIEWS = frozenset({"transpose", "reshape", "squeeze", "expand_dims", "broadcast_in_dim",
@@ -31,6 +33,11 @@ _VIEWS = frozenset({"transpose", "reshape", "squeeze", "expand_dims", "broadcast
 
 def _aval_bytes(aval) -> int:
   return math.prod(aval.shape) * jnp.dtype(aval.dtype).itemsize
+
+
+def _memory(aval) -> str:
+  space = str(getattr(aval, "memory_space", "")).lower()
+  return "host" if "host" in space else "device"
 
 
 def residuals(f, *args, **kwargs) -> list[Residual]:
@@ -65,12 +72,13 @@ def residuals(f, *args, **kwargs) -> list[Residual]:
       continue
     seen.add(v)
     out.append(Residual(tuple(v.aval.shape), jnp.dtype(v.aval.dtype).name, _aval_bytes(v.aval),
-                        producers.get(v, "?")))
+                        producers.get(v, "?"), _memory(v.aval)))
   return out
 
 
 def residual_bytes(f, *args, **kwargs) -> int:
-  """Bytes the backward pass of ``f`` at ``args`` keeps alive beyond its inputs and parameters.
+  """Bytes the backward pass of ``f`` at ``args`` keeps alive in device memory beyond its inputs
+  and parameters (what a policy offloads to host memory is :func:`offloaded_bytes`).
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -78,4 +86,18 @@ def residual_bytes(f, *args, **kwargs) -> int:
     >>> residual_bytes(lambda x: jnp.sum(jnp.sin(x)), jnp.ones(1024))  # keeps cos(x)
     4096
   """
-  return sum(r.nbytes for r in residuals(f, *args, **kwargs))
+  return sum(r.nbytes for r in residuals(f, *args, **kwargs) if r.memory == "device")
+
+
+def offloaded_bytes(f, *args, **kwargs) -> int:
+  """Bytes the backward pass of ``f`` keeps in host memory (offloaded by a recomputation policy).
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jaxfuse.metrics import offloaded_bytes, residual_bytes
+    >>> from jaxfuse.remat import remat, checkpoint_name
+    >>> f = remat(lambda x: jnp.sum(jnp.sin(checkpoint_name(x * x, "y"))), policy={"y": "offload"})
+    >>> offloaded_bytes(f, jnp.ones(1024)), residual_bytes(f, jnp.ones(1024))
+    (4096, 0)
+  """
+  return sum(r.nbytes for r in residuals(f, *args, **kwargs) if r.memory == "host")

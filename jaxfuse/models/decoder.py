@@ -39,10 +39,13 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from jax.ad_checkpoint import checkpoint_name
+
 from jaxfuse import nnx as jnnx
 from jaxfuse.models.config import DecoderConfig
-from jaxfuse.ops import dense, rotary_embedding
+from jaxfuse.ops import dense, names, rotary_embedding
 from jaxfuse.ops.flash_attention import attention
+from jaxfuse.remat.layers import apply_layers, stacked
 
 IGNORE_INDEX = -100
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -93,10 +96,14 @@ class Attention(nnx.Module):
     v = _project(self.v_proj, x, self.fused).reshape(*lead, cfg.kv_heads, hd)
     q = rotary_embedding(q, positions, base=cfg.rope_theta)
     k = rotary_embedding(k, positions, base=cfg.rope_theta)
+    if not self.fused:   # jaxfuse's attention names its own inputs
+      q, k, v = (checkpoint_name(x, n) for x, n in ((q, names.ATTN_Q), (k, names.ATTN_K),
+                                                   (v, names.ATTN_V)))
     return q, k, v
 
   def _out(self, o):
-    return _project(self.o_proj, o.reshape(*o.shape[:-2], -1), self.fused)
+    out = _project(self.o_proj, o.reshape(*o.shape[:-2], -1), self.fused)
+    return checkpoint_name(out, names.ATTN_PROJ)
 
   def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
     q, k, v = self._heads(x, positions)
@@ -106,8 +113,9 @@ class Attention(nnx.Module):
                     implementation=self.implementation)
     else:
       local = None if window is None else (window - 1, 0)
-      o = jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=local,
-                                       implementation="xla")
+      o = checkpoint_name(
+          jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=local,
+                                       implementation="xla"), names.ATTN_OUT)
     return self._out(o)
 
   def decode(self, x: jax.Array, positions: jax.Array, cache: dict, length: jax.Array):
@@ -140,15 +148,25 @@ class MLP(jnnx.GatedMLP):
   def __call__(self, x: jax.Array) -> jax.Array:
     if self.fused:
       return super().__call__(x)
-    return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+    gate = checkpoint_name(self.gate_proj(x), names.MLP_GATE)
+    up = checkpoint_name(self.up_proj(x), names.MLP_UP)
+    hidden = checkpoint_name(jax.nn.silu(gate) * up, names.MLP_HIDDEN)
+    return checkpoint_name(self.down_proj(hidden), names.MLP_DOWN)
+
+
+class _PlainRMSNorm(nnx.RMSNorm):
+  """flax's RMSNorm with its output named ``norm.out`` (jaxfuse's norms name their own)."""
+
+  def __call__(self, x, mask=None):
+    return checkpoint_name(super().__call__(x, mask), names.NORM_OUT)
 
 
 def _norm(cfg: DecoderConfig, fused: bool, implementation: str | None, rngs: nnx.Rngs):
   if fused:
     return jnnx.RMSNorm(cfg.d_model, epsilon=cfg.rms_norm_eps, dtype=cfg.dtype,
                         param_dtype=cfg.param_dtype, implementation=implementation, rngs=rngs)
-  return nnx.RMSNorm(cfg.d_model, epsilon=cfg.rms_norm_eps, dtype=cfg.dtype,
-                     param_dtype=cfg.param_dtype, rngs=rngs)
+  return _PlainRMSNorm(cfg.d_model, epsilon=cfg.rms_norm_eps, dtype=cfg.dtype,
+                       param_dtype=cfg.param_dtype, rngs=rngs)
 
 
 class Block(nnx.Module):
@@ -167,13 +185,25 @@ class Block(nnx.Module):
     h = h + self.self_attn(self.input_layernorm(h), positions)
     return h + self.mlp(self.post_attention_layernorm(h))
 
-  def fused_call(self, normed: jax.Array, stream: jax.Array, positions: jax.Array,
-                 next_norm) -> tuple[jax.Array, jax.Array]:
-    """The fused block on ``normed = input_layernorm(stream)``: returns the next block's
-    ``(normed, stream)``, each residual add fused with the RMSNorm that follows it."""
+  def fused_call(self, pending: jax.Array, stream: jax.Array,
+                 positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The fused block: the residual stream is ``stream + pending``, where ``pending`` is the
+    previous block's MLP output (zeros before the first block), added by this block's input
+    RMSNorm in the same op. Returns this block's ``(pending, stream)``: each residual add is
+    fused with the RMSNorm that follows it."""
+    pending = checkpoint_name(pending, names.BLOCK_INPUT)
+    stream = checkpoint_name(stream, names.BLOCK_INPUT)
+    normed, stream = self.input_layernorm.add(pending, stream)
     a = self.self_attn(normed, positions)
     normed, stream = self.post_attention_layernorm.add(a, stream)
-    return next_norm.add(self.mlp(normed), stream)
+    return self.mlp(normed), stream
+
+  def step(self, carry, positions):
+    """One block on the carry of :meth:`Decoder.hidden`: ``(pending, stream)`` when fused, the
+    residual stream otherwise."""
+    if self.fused:
+      return self.fused_call(*carry, positions)
+    return self(checkpoint_name(carry, names.BLOCK_INPUT), positions)
 
 
 class Decoder(nnx.Module):
@@ -182,8 +212,20 @@ class Decoder(nnx.Module):
   Args:
     cfg: the :class:`DecoderConfig`.
     fused: jaxfuse's fused ops (True) or plain flax/jax parts (False), on the same parameters.
-    remat: recompute each block in the backward pass (``"block"``: keep only its input) or
-      nothing (None).
+    remat: what each block's backward keeps. ``None``: no recomputation beyond the ops' own
+      (the fused MLP recomputes its hidden activation); ``"block"``: only the block's input
+      (the same as ``"nothing"``); any policy :func:`jaxfuse.remat.resolve_policy` takes (a
+      preset, a MaxText recipe, a list of names, a ``{name: "remat" | "device" | "offload"}``
+      table), applied to every block; or a :class:`jaxfuse.remat.Plan`, one policy per block.
+      Under a policy the blocks' ops keep nothing of their own accord: the policy decides, by
+      the names of :mod:`jaxfuse.ops.names`.
+    segments: ``None``, ``"sqrt"`` or a number of blocks: checkpoint segments of about
+      √L blocks (each keeps only its input; Chen et al. 2016), see
+      :mod:`jaxfuse.remat.layers`.
+    scan_layers: stack the blocks' parameters on a leading layer axis (``nnx.vmap`` to create
+      them) and run them as a ``jax.lax.scan``: the traced program, and so the compile time,
+      stays the same size as the layers grow. :func:`stack_layers` and
+      :func:`unstack_layers` convert the parameters between the two layouts.
     grad_in_forward: the fused head computes its gradients with the loss (three
       ``tokens x d_model x V`` matmuls, as the plain loss, and keeps ``dW`` and ``dh``), or, with
       False, recomputes the logits in the backward (four matmuls, keeps 4 bytes a token); see
@@ -193,25 +235,75 @@ class Decoder(nnx.Module):
     rngs: for the initializers.
   """
 
-  def __init__(self, cfg: DecoderConfig, *, fused: bool = True, remat: str | None = None,
+  def __init__(self, cfg: DecoderConfig, *, fused: bool = True, remat=None,
+               segments: str | int | None = None, scan_layers: bool = False,
                grad_in_forward: bool = True, implementation: str | None = None,
                rngs: nnx.Rngs):
-    if remat not in (None, "block"):
-      raise ValueError(f"Decoder: remat must be None or 'block', got {remat!r}")
     self.cfg = cfg
     self.fused = fused
-    self.remat = remat
+    self.scan_layers = scan_layers
     self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype,
                                   param_dtype=cfg.param_dtype, rngs=rngs,
                                   embedding_init=nnx.initializers.normal(cfg.initializer_range))
-    self.layers = nnx.List([Block(cfg, fused=fused, implementation=implementation, rngs=rngs)
-                            for _ in range(cfg.num_layers)])
+
+    def block(rngs):
+      return Block(cfg, fused=fused, implementation=implementation, rngs=rngs)
+
+    if scan_layers:
+      self.layers = stacked(block, cfg.num_layers, rngs)
+    else:
+      self.layers = nnx.List([block(rngs) for _ in range(cfg.num_layers)])
     self.norm = _norm(cfg, fused, implementation, rngs)
     self.lm_head = jnnx.LMHead(
         cfg.d_model, cfg.vocab_size, tie_to=self.embed_tokens if cfg.tie_embeddings else None,
         dtype=cfg.dtype, param_dtype=cfg.param_dtype, ignore_index=IGNORE_INDEX,
         kernel_init=nnx.initializers.normal(cfg.initializer_range),
         grad_in_forward=grad_in_forward, implementation=implementation, rngs=rngs)
+    self.set_remat(remat, segments)
+
+  # Recomputation ------------------------------------------------------------------------------
+
+  @property
+  def num_layers(self) -> int:
+    return self.cfg.num_layers
+
+  def set_remat(self, remat=None, segments: str | int | None = None) -> None:
+    """Sets what each block's backward keeps (``remat`` and ``segments`` as the constructor
+    takes them); checked here, used by the next call."""
+    from jaxfuse.remat import freeze_policy, layer_policies
+    from jaxfuse.remat.layers import segment_size
+
+    self.layer_policies = layer_policies(remat, self.cfg.num_layers, "Decoder")
+    segment_size(self.cfg.num_layers, segments)   # checks it
+    self.remat = freeze_policy(remat)
+    self.segments = segments
+    # Under a policy the MLP recomputes nothing by itself: the policy decides.
+    recompute = "activation" if remat is None else None
+    for block in self._blocks():
+      block.mlp.recompute = recompute
+
+  def _blocks(self):
+    return [self.layers] if self.scan_layers else list(self.layers)
+
+  def layer(self, i: int) -> Block:
+    """Block ``i`` (for stacked layers, a module holding that block's slice)."""
+    if not self.scan_layers:
+      return self.layers[i]
+    graphdef, state = nnx.split(self.layers)
+    return nnx.merge(graphdef, jax.tree_util.tree_map(lambda x: x[i], state))
+
+  def block_carry(self, tokens: jax.Array) -> Any:
+    """What the first block receives for ``tokens``: ``(pending, stream)`` when fused, the
+    embedded tokens otherwise (the input of :meth:`Block.step`)."""
+    h = self.embed_tokens(tokens)
+    return (jnp.zeros_like(h), h) if self.fused else h
+
+  def remat_block(self, batch) -> tuple:
+    """``(step, carry)`` for :func:`jaxfuse.remat.profile`: ``carry = step(self.layer(i),
+    carry)`` runs block ``i``; ``batch`` is ``(tokens, ...)`` or the tokens."""
+    tokens = batch[0] if isinstance(batch, (tuple, list)) else batch
+    positions = jnp.arange(tokens.shape[-1])
+    return (lambda block, carry: block.step(carry, positions)), self.block_carry(tokens)
 
   # Training -----------------------------------------------------------------------------------
 
@@ -219,21 +311,12 @@ class Decoder(nnx.Module):
     """The final normalized hidden states ``[batch, seq, d_model]``."""
     if positions is None:
       positions = jnp.arange(tokens.shape[-1])
-    h = self.embed_tokens(tokens)
-    if not self.fused:
-      for block in self.layers:
-        h = self._maybe_remat(lambda b, h: b(h, positions))(block, h)
-      return self.norm(h)
-    normed, stream = self.layers[0].input_layernorm(h), h
-    for i, block in enumerate(self.layers):
-      last = i + 1 == len(self.layers)
-      next_norm = self.norm if last else self.layers[i + 1].input_layernorm
-      step = lambda b, n, s, nn: b.fused_call(n, s, positions, nn)  # noqa: E731
-      normed, stream = self._maybe_remat(step)(block, normed, stream, next_norm)
-    return normed
-
-  def _maybe_remat(self, fn):
-    return nnx.remat(fn) if self.remat == "block" else fn
+    carry = self.block_carry(tokens)
+    carry = apply_layers(lambda block, c: block.step(c, positions), self.layers, carry,
+                         policies=self.layer_policies, segments=self.segments)
+    if self.fused:
+      return self.norm.add(*carry)[0]
+    return self.norm(carry)
 
   def __call__(self, tokens: jax.Array, targets: jax.Array,
                positions: jax.Array | None = None) -> jax.Array:
@@ -277,7 +360,8 @@ class Decoder(nnx.Module):
     positions = length + jnp.arange(t)
     h = self.embed_tokens(tokens)
     layers = []
-    for block, kv in zip(self.layers, cache["layers"]):
+    for i, kv in enumerate(cache["layers"]):
+      block = self.layer(i)
       a, kv = block.self_attn.decode(block.input_layernorm(h), positions, kv, length)
       h = h + a
       h = h + block.mlp(block.post_attention_layernorm(h))
@@ -329,4 +413,38 @@ def generate(model: Decoder, prompt: jax.Array, steps: int, key: jax.Array, *,
   return run(state, prompt, key)
 
 
-__all__ = ["Attention", "Block", "Decoder", "MLP", "generate", "next_token_targets"]
+def stack_layers(state: nnx.State, num_layers: int) -> nnx.State:
+  """The state of an unrolled :class:`Decoder` (``nnx.state(model)``) with its blocks'
+  parameters stacked, as ``Decoder(..., scan_layers=True)`` holds them.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from jaxfuse.models import Decoder, DecoderConfig
+    >>> from jaxfuse.models.decoder import stack_layers
+    >>> cfg = DecoderConfig(vocab_size=32, d_model=16, num_layers=3, num_heads=2, mlp_dim=32)
+    >>> plain = Decoder(cfg, rngs=nnx.Rngs(0))
+    >>> scanned = nnx.eval_shape(lambda: Decoder(cfg, scan_layers=True, rngs=nnx.Rngs(0)))
+    >>> nnx.update(scanned, stack_layers(nnx.state(plain), cfg.num_layers))
+    >>> tokens = jnp.zeros((1, 5), jnp.int32)
+    >>> bool(jnp.allclose(plain.logits(tokens), scanned.logits(tokens), atol=1e-6))
+    True
+  """
+  pure = nnx.to_pure_dict(state)
+  layers = [pure["layers"][i] for i in range(num_layers)]
+  pure["layers"] = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *layers)
+  return pure
+
+
+def unstack_layers(state: nnx.State, num_layers: int) -> dict:
+  """The inverse of :func:`stack_layers`: per-block parameters ``layers[i]`` from stacked ones,
+  as a pure dict for ``nnx.update`` of an unrolled :class:`Decoder`."""
+  pure = nnx.to_pure_dict(state)
+  stackd = pure["layers"]
+  pure["layers"] = {i: jax.tree_util.tree_map(lambda x, i=i: x[i], stackd)
+                    for i in range(num_layers)}
+  return pure
+
+
+__all__ = ["Attention", "Block", "Decoder", "MLP", "generate", "next_token_targets",
+           "stack_layers", "unstack_layers"]

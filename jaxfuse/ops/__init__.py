@@ -1,7 +1,7 @@
 """Differentiable ops. Each has a plain-jnp reference, kernel implementations and a custom_vjp
 that chooses what the backward keeps; ``implementation=None | "pallas" | "triton" | "xla"``."""
 
-from jaxfuse.ops import activations
+from jaxfuse.ops import activations, names
 from jaxfuse.ops.bias_activation import bias_act, bias_act_reference
 from jaxfuse.ops.cross_entropy import (linear_cross_entropy, linear_cross_entropy_reference,
                                        linear_logits)
@@ -45,6 +45,7 @@ __all__ = [
     "linear_cross_entropy_reference",
     "linear_logits",
     "linear_reference",
+    "names",
     "pallas_interpret",
     "recompute_linear",
     "relu",

@@ -45,10 +45,11 @@ from numbers import Real
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxfuse.kernels.pallas import elementwise as pallas_elementwise
 from jaxfuse.kernels.pallas import normalization as pallas_norm
-from jaxfuse.ops import base, checks
+from jaxfuse.ops import base, checks, names
 
 LAYER_NORM = base.Op("layer_norm", ("pallas", "triton", "xla"))
 RMS_NORM = base.Op("rms_norm", ("pallas", "triton", "xla"))
@@ -404,7 +405,10 @@ def _normalize_fwd(x, residual, scale, bias, cfg):
   # Residuals: the rows that were normalized (x, or z = x + residual, which is an output) and the
   # float32 per-row statistics. The normalized rows are recomputed in the backward pass.
   rows = x if residual is None else z
-  out = y if residual is None else (y, z)
+  rows, y = checkpoint_name(rows, names.NORM_INPUT), checkpoint_name(y, names.NORM_OUT)
+  rstd = checkpoint_name(rstd, names.NORM_RSTD)
+  mean = None if mean is None else checkpoint_name(mean, names.NORM_MEAN)
+  out = y if residual is None else (y, rows)
   return out, (rows, scale, bias, mean, rstd)
 
 
@@ -481,6 +485,8 @@ def _add_then_norm_fwd(x, residual, scale, cfg):
   z = _add(x, residual, cfg)
   y, _, _, rstd = _forward(z, None, scale, None, cfg, store_stats=True)
   # Residuals: the sum z, written by the add kernel and kept, and the float32 rstd.
+  z, y = checkpoint_name(z, names.NORM_INPUT), checkpoint_name(y, names.NORM_OUT)
+  rstd = checkpoint_name(rstd, names.NORM_RSTD)
   return (y, z), (z, scale, rstd)
 
 

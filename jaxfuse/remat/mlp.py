@@ -21,12 +21,10 @@ from collections.abc import Callable
 import jax
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxfuse.ops import bias_act, dense, glu
+from jaxfuse.ops import bias_act, dense, glu, names
 from jaxfuse.remat.recompute import recompute as _recompute
 
 RECOMPUTE = ("activation", "block", None)
-# Names of the values the "activation" choice keeps.
-GATE, UP, PRE_ACTIVATION = "jaxfuse_mlp_gate", "jaxfuse_mlp_up", "jaxfuse_mlp_pre_activation"
 
 
 def _wrap(block: Callable, recompute: str | None, names: list[str]) -> Callable:
@@ -64,13 +62,15 @@ def gated_mlp(x: jax.Array, gate_kernel: jax.Array, up_kernel: jax.Array,
   """
 
   def block(x, gate_kernel, up_kernel, down_kernel, gate_bias, up_bias, down_bias):
-    gate = checkpoint_name(dense(x, gate_kernel, gate_bias, precision=precision), GATE)
-    up = checkpoint_name(dense(x, up_kernel, up_bias, precision=precision), UP)
-    hidden = glu(gate, up, activation, implementation=implementation)
-    return dense(hidden, down_kernel, down_bias, precision=precision)
+    gate = checkpoint_name(dense(x, gate_kernel, gate_bias, precision=precision), names.MLP_GATE)
+    up = checkpoint_name(dense(x, up_kernel, up_bias, precision=precision), names.MLP_UP)
+    hidden = checkpoint_name(glu(gate, up, activation, implementation=implementation),
+                             names.MLP_HIDDEN)
+    return checkpoint_name(dense(hidden, down_kernel, down_bias, precision=precision),
+                           names.MLP_DOWN)
 
-  return _wrap(block, recompute, [GATE, UP])(x, gate_kernel, up_kernel, down_kernel, gate_bias,
-                                             up_bias, down_bias)
+  return _wrap(block, recompute, [names.MLP_GATE, names.MLP_UP])(
+      x, gate_kernel, up_kernel, down_kernel, gate_bias, up_bias, down_bias)
 
 
 def mlp(x: jax.Array, up_kernel: jax.Array, up_bias: jax.Array, down_kernel: jax.Array,
@@ -98,8 +98,10 @@ def mlp(x: jax.Array, up_kernel: jax.Array, up_bias: jax.Array, down_kernel: jax
   """
 
   def block(x, up_kernel, up_bias, down_kernel, down_bias):
-    pre = checkpoint_name(dense(x, up_kernel, None, precision=precision), PRE_ACTIVATION)
-    hidden = bias_act(pre, up_bias, activation, implementation=implementation)
-    return dense(hidden, down_kernel, down_bias, precision=precision)
+    pre = checkpoint_name(dense(x, up_kernel, None, precision=precision), names.MLP_PRE)
+    hidden = checkpoint_name(bias_act(pre, up_bias, activation, implementation=implementation),
+                             names.MLP_HIDDEN)
+    return checkpoint_name(dense(hidden, down_kernel, down_bias, precision=precision),
+                           names.MLP_DOWN)
 
-  return _wrap(block, recompute, [PRE_ACTIVATION])(x, up_kernel, up_bias, down_kernel, down_bias)
+  return _wrap(block, recompute, [names.MLP_PRE])(x, up_kernel, up_bias, down_kernel, down_bias)

@@ -58,10 +58,11 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxfuse.kernels.pallas import flash_attention as pallas_attention
 from jaxfuse.kernels.pallas.flash_attention import BlockSizes
-from jaxfuse.ops import base
+from jaxfuse.ops import base, names
 from jaxfuse.ops.flash_attention import arguments, reference, tuning, xla
 
 ATTENTION = base.Op("attention", ("pallas", "triton", "xla"), base.KERNEL_GPU_ORDER)
@@ -224,7 +225,11 @@ def attention_vjp(q, k, v, q_seg, kv_seg, kv_lengths, bias, cfg):
 
 def _attention_fwd(q, k, v, q_seg, kv_seg, kv_lengths, bias, cfg):
   o, lse = _forward(q, k, v, q_seg, kv_seg, kv_lengths, bias, cfg)
-  # Residuals: the inputs (free), the output and one float32 per query row and head.
+  # Residuals: the inputs (free), the output and one float32 per query row and head, each
+  # under its name (jaxfuse.ops.names) for recomputation policies.
+  q, k, v = (checkpoint_name(x, n) for x, n in ((q, names.ATTN_Q), (k, names.ATTN_K),
+                                               (v, names.ATTN_V)))
+  o, lse = checkpoint_name(o, names.ATTN_OUT), checkpoint_name(lse, names.ATTN_LSE)
   return o, (q, k, v, q_seg, kv_seg, kv_lengths, bias, o, lse)
 
 

@@ -1,0 +1,56 @@
+"""The names jaxfuse gives the values a backward pass could keep (``checkpoint_name``).
+
+A recomputation policy (:mod:`jaxfuse.remat`) chooses among these names what a recomputed
+region keeps, what it offloads to host memory and what it recomputes. The ops tag their own
+residuals inside their custom_vjp forward rules, so a policy reaches values that no caller
+sees (an attention's log-sum-exp, a norm's per-row statistics); the modules tag the matmul
+outputs around them. Outside a ``jax.checkpoint`` region a name changes nothing.
+
+===============  ====================================================  ==========================
+name             value                                                 tagged by
+===============  ====================================================  ==========================
+``block.input``  the residual stream entering a decoder block          ``jaxfuse.models``
+``norm.input``   the rows a norm reads (``x + residual`` for ``add_*``)  the norm ops
+``norm.mean``    float32 per-row mean (LayerNorm)                      the norm ops
+``norm.rstd``    float32 per-row ``1 / sqrt(var + eps)``               the norm ops
+``norm.out``     the normalized, scaled output                         the norm ops
+``attn.q``       queries as attention reads them (after rotary)        :func:`~jaxfuse.ops.attention`
+``attn.k``       keys (after rotary)                                   :func:`~jaxfuse.ops.attention`
+``attn.v``       values                                                :func:`~jaxfuse.ops.attention`
+``attn.out``     the attention output, before the output projection    :func:`~jaxfuse.ops.attention`
+``attn.lse``     float32 per-row log-sum-exp of the scores             :func:`~jaxfuse.ops.attention`
+``attn.proj``    the output projection's output                        the attention modules
+``mlp.gate``     the gate projection (gated MLPs)                      :mod:`jaxfuse.remat.mlp`
+``mlp.up``       the up projection (gated MLPs)                        :mod:`jaxfuse.remat.mlp`
+``mlp.pre``      the up projection before bias and activation          :mod:`jaxfuse.remat.mlp`
+``mlp.hidden``   the hidden activation, the down projection's input    :mod:`jaxfuse.remat.mlp`
+``mlp.down``     the down projection's output                          :mod:`jaxfuse.remat.mlp`
+===============  ====================================================  ==========================
+
+Example:
+  >>> from jaxfuse.ops import names
+  >>> names.ATTN_LSE, names.ALL[:3]
+  ('attn.lse', ('block.input', 'norm.input', 'norm.mean'))
+"""
+
+from __future__ import annotations
+
+BLOCK_INPUT = "block.input"
+NORM_INPUT = "norm.input"
+NORM_MEAN = "norm.mean"
+NORM_RSTD = "norm.rstd"
+NORM_OUT = "norm.out"
+ATTN_Q = "attn.q"
+ATTN_K = "attn.k"
+ATTN_V = "attn.v"
+ATTN_OUT = "attn.out"
+ATTN_LSE = "attn.lse"
+ATTN_PROJ = "attn.proj"
+MLP_GATE = "mlp.gate"
+MLP_UP = "mlp.up"
+MLP_PRE = "mlp.pre"
+MLP_HIDDEN = "mlp.hidden"
+MLP_DOWN = "mlp.down"
+
+ALL = (BLOCK_INPUT, NORM_INPUT, NORM_MEAN, NORM_RSTD, NORM_OUT, ATTN_Q, ATTN_K, ATTN_V,
+       ATTN_OUT, ATTN_LSE, ATTN_PROJ, MLP_GATE, MLP_UP, MLP_PRE, MLP_HIDDEN, MLP_DOWN)

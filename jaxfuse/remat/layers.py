@@ -1,0 +1,152 @@
+"""Applying a stack of layers with a recomputation policy per layer, unrolled or scanned, with
+optional √L segments.
+
+``apply_layers(step, layers, carry, policies=...)`` runs ``carry = step(layer, carry)`` for
+every layer, in order:
+
+- ``layers`` is a list of NNX modules (one traced call each: compile time grows with L) or
+  one NNX module whose parameters are stacked on a leading layer axis (made with
+  ``nnx.vmap``, see :func:`stacked`): the layers then run as ``jax.lax.scan`` over that axis,
+  one traced body however many layers there are. Consecutive layers with the same policy share
+  one scan.
+- ``policies[i]`` is what layer ``i``'s backward keeps: ``None`` (no recomputation: the layer
+  keeps what its ops keep) or any policy :func:`jaxfuse.remat.resolve_policy` takes.
+- ``segments`` (``"sqrt"`` or a size ``s``) adds the segment checkpointing of Chen et al.
+  (2016): the layers are grouped into segments of about √L layers; each segment keeps only its
+  input carry, and its layers' residuals exist only while the backward pass recomputes that
+  segment. The residual bytes fall from ``L`` layers' worth to ``L / s`` carries plus one
+  segment's layers, at the cost of one more forward pass.
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> from flax import nnx
+  >>> from jaxfuse.remat.layers import apply_layers, stacked
+  >>> layers = stacked(lambda rngs: nnx.Linear(8, 8, rngs=rngs), 6, nnx.Rngs(0))
+  >>> step = lambda layer, h: jnp.tanh(layer(h))
+  >>> apply_layers(step, layers, jnp.ones((2, 8)), policies=["nothing"] * 6,
+  ...              segments="sqrt").shape
+  (2, 8)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import jax
+from flax import nnx
+
+from jaxfuse.remat.policies import PolicySpec, resolve_policy
+
+
+def stacked(make: Callable[[nnx.Rngs], nnx.Module], count: int, rngs: nnx.Rngs) -> nnx.Module:
+  """``count`` layers made by ``make(rngs)``, as one module whose parameters carry a leading
+  layer axis (``nnx.vmap`` over split rngs: one trace however many layers)."""
+
+  @nnx.split_rngs(splits=count)
+  @nnx.vmap(in_axes=(0,), out_axes=0)
+  def create(rngs):
+    return make(rngs)
+
+  return create(rngs)
+
+
+def segment_size(num_layers: int, segments: str | int | None) -> int | None:
+  """The layers per segment: ``"sqrt"`` gives ``round(sqrt(L))``; an int is taken as given."""
+  if segments is None:
+    return None
+  if segments == "sqrt":
+    return max(1, round(math.sqrt(num_layers)))
+  if isinstance(segments, int) and not isinstance(segments, bool) and segments >= 1:
+    return segments
+  raise ValueError(f"segments must be None, 'sqrt' or a positive int, got {segments!r}")
+
+
+def _runs(policies: Sequence) -> list[tuple[int, int]]:
+  """``[(start, stop)]`` of consecutive layers with equal policies."""
+  runs, start = [], 0
+  for i in range(1, len(policies) + 1):
+    if i == len(policies) or policies[i] != policies[start]:
+      runs.append((start, i))
+      start = i
+  return runs
+
+
+def _checkpointed(fn, policy):
+  return fn if policy is None else jax.checkpoint(fn, policy=resolve_policy(policy))
+
+
+def apply_layers(step: Callable, layers, carry, *, policies: Sequence[PolicySpec],
+                 segments: str | int | None = None):
+  """Runs ``carry = step(layer, carry)`` over ``layers``; see the module docstring."""
+  if isinstance(layers, (list, tuple, nnx.List)):
+    return _apply_unrolled(step, list(layers), carry, policies, segments)
+  return _apply_scanned(step, layers, carry, policies, segments)
+
+
+def _apply_unrolled(step, layers, carry, policies, segments):
+  if len(policies) != len(layers):
+    raise ValueError(f"apply_layers: {len(policies)} policies for {len(layers)} layers")
+  size = segment_size(len(layers), segments)
+
+  def run(blocks, carry, pols):
+    for block, policy in zip(blocks, pols):
+      fn = step if policy is None else nnx.remat(step, policy=resolve_policy(policy))
+      carry = fn(block, carry)
+    return carry
+
+  if size is None:
+    return run(layers, carry, policies)
+  def segment(pols):
+    def call(blocks, carry):
+      return run(blocks, carry, pols)
+    return nnx.remat(call, policy=resolve_policy("nothing"))
+
+  for a in range(0, len(layers), size):
+    carry = segment(list(policies[a:a + size]))(nnx.List(layers[a:a + size]), carry)
+  return carry
+
+
+def _apply_scanned(step, layers, carry, policies, segments):
+  graphdef, state = nnx.split(layers)
+  count = jax.tree_util.tree_leaves(state)[0].shape[0]
+  if len(policies) != count:
+    raise ValueError(f"apply_layers: {len(policies)} policies for {count} stacked layers")
+  size = segment_size(count, segments)
+
+  def layer_body(policy):
+    def body(carry, layer_state):
+      return step(nnx.merge(graphdef, layer_state), carry)
+    body = _checkpointed(body, policy)
+    return lambda carry, layer_state: (body(carry, layer_state), None)
+
+  def scan_layers(carry, states, a, b):
+    """Layers [a, b), whose stacked state is ``states``, one scan per run of equal policies."""
+    for lo, hi in _runs(policies[a:b]):
+      part = jax.tree_util.tree_map(lambda x, lo=lo, hi=hi: x[lo:hi], states)
+      carry, _ = jax.lax.scan(layer_body(policies[a + lo]), carry, part)
+    return carry
+
+  if size is None:
+    return scan_layers(carry, state, 0, count)
+  # Segments: full ones in an outer scan when their policies agree, the rest one by one.
+  full = count // size
+  uniform = all(policies[i] == policies[i % size] for i in range(full * size))
+  if full > 1 and uniform:
+    head = jax.tree_util.tree_map(
+        lambda x: x[:full * size].reshape((full, size) + x.shape[1:]), state)
+
+    def segment(carry, seg_state):
+      return scan_layers(carry, seg_state, 0, size), None
+
+    carry, _ = jax.lax.scan(_checkpointed(segment, "nothing"), carry, head)
+    starts = [full * size]
+  else:
+    starts = list(range(0, full * size, size)) + [full * size]
+  for a in starts:
+    b = min(a + size, count)
+    if a >= b:
+      continue
+    part = jax.tree_util.tree_map(lambda x, a=a, b=b: x[a:b], state)
+    carry = _checkpointed(lambda c, s, a=a, b=b: scan_layers(c, s, a, b), "nothing")(carry, part)
+  return carry
