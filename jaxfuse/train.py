@@ -17,6 +17,14 @@ Example::
     python -m jaxfuse.train --steps 200 --out runs/small
     python -m jaxfuse.train --steps 400 --out runs/small --resume     # continues at step 200
     python -m jaxfuse.train --baseline --steps 50                      # plain flax/jax parts
+    python -m jaxfuse.train --remat-budget 50% --scan-layers           # planned recomputation
+
+Recomputation: ``--remat`` keeps only each block's input; ``--remat-policy NAME`` applies a
+preset or MaxText recipe (:mod:`jaxfuse.remat.policies`) to every block; ``--remat-budget 50%``
+(or a number of bytes) profiles the model on the first batch and plans, per block, what to keep
+within that share of the residual bytes without recomputation (:func:`jaxfuse.remat.plan`;
+``--remat-choices`` narrows what it may choose) and prints the plan; ``--segments sqrt`` adds
+√L segment checkpointing; ``--scan-layers`` runs the blocks as one scan.
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jaxfuse import remat
 from jaxfuse.models import Decoder, DecoderConfig, UnsupportedConfigError, generate
 
 LN2 = math.log(2.0)
@@ -103,7 +112,12 @@ class TrainConfig:
   seed: int = 0
   dtype: str = "float32"
   baseline: bool = False
-  remat: bool = False
+  remat: bool = False            # recompute each block but its input
+  remat_policy: str | None = None   # a preset or MaxText recipe for every block
+  remat_budget: str | None = None   # plan per block within this many residual bytes ("50%")
+  remat_choices: str | None = None  # what the plan may choose, comma-separated
+  segments: str | None = None       # "sqrt" or a number of blocks per checkpointed segment
+  scan_layers: bool = False         # stacked blocks under one scan
   init_from: str | None = None
   out: str = "runs/jaxfuse-train"
   resume: bool = False
@@ -130,6 +144,39 @@ def _check(cfg: TrainConfig) -> None:
     raise ValueError(f"--stop-at must be in [1, --steps], got {cfg.stop_at}")
   if cfg.lr <= 0 or cfg.clip <= 0:
     raise ValueError(f"--lr and --clip must be > 0, got {cfg.lr} and {cfg.clip}")
+  chosen = [f for f in ("remat", "remat_policy", "remat_budget") if getattr(cfg, f)]
+  if len(chosen) > 1:
+    raise ValueError(f"give at most one of --remat, --remat-policy and --remat-budget, got "
+                     f"{', '.join('--' + f.replace('_', '-') for f in chosen)}")
+  if cfg.remat_policy is not None:
+    remat.resolve_policy(cfg.remat_policy)
+  if cfg.remat_choices is not None:
+    for choice in _choices(cfg):
+      remat.choice_policy(choice)
+  _segments(cfg)
+
+
+def _segments(cfg: TrainConfig):
+  if cfg.segments is None or cfg.segments == "sqrt":
+    return cfg.segments
+  if cfg.segments.isdigit() and int(cfg.segments) >= 1:
+    return int(cfg.segments)
+  raise ValueError(f"--segments must be 'sqrt' or a positive number of blocks, got "
+                   f"{cfg.segments!r}")
+
+
+def _int(text: str) -> int:
+  try:
+    return int(text)
+  except ValueError:
+    raise ValueError(f"--remat-budget must be a number of bytes or a percentage like '50%', "
+                     f"got {text!r}") from None
+
+
+def _choices(cfg: TrainConfig) -> tuple[str, ...]:
+  if cfg.remat_choices is None:
+    return remat.DEFAULT_CHOICES
+  return tuple(c.strip() for c in cfg.remat_choices.split(",") if c.strip())
 
 
 # Model and optimizer -----------------------------------------------------------------------------
@@ -137,17 +184,20 @@ def _check(cfg: TrainConfig) -> None:
 
 def build(cfg: TrainConfig) -> tuple[Decoder, nnx.Optimizer]:
   """The model (from scratch or ``--init-from`` a Hugging Face directory) and its optimizer."""
-  fused, remat = not cfg.baseline, "block" if cfg.remat else None
+  fused = not cfg.baseline
+  policy = "block" if cfg.remat else cfg.remat_policy
   if cfg.init_from:
     from jaxfuse import interop
 
     model = interop.from_pretrained(cfg.init_from, dtype=jnp.dtype(cfg.dtype), fused=fused,
-                                    remat=remat)
+                                    remat=policy, scan_layers=cfg.scan_layers)
     if model.cfg.vocab_size < 256:
       raise ValueError(f"--init-from: the model's vocabulary ({model.cfg.vocab_size}) cannot "
                        f"hold the 256 byte tokens")
   else:
-    model = Decoder(cfg.model_config(), fused=fused, remat=remat, rngs=nnx.Rngs(cfg.seed))
+    model = Decoder(cfg.model_config(), fused=fused, scan_layers=cfg.scan_layers,
+                    rngs=nnx.Rngs(cfg.seed))
+  model.set_remat(policy, _segments(cfg))
   schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, cfg.warmup, cfg.steps,
                                                 end_value=cfg.lr * 0.1)
   tx = optax.chain(optax.clip_by_global_norm(cfg.clip),
@@ -237,6 +287,14 @@ def train(cfg: TrainConfig, *, log=print) -> dict:
   train_data, val_data = stdlib_corpus()
   entropy = unigram_entropy_bits(train_data)
   model, optimizer = build(cfg)
+  plan = None
+  if cfg.remat_budget:
+    # Planned on the first training batch (the same for a resumed run).
+    first = tuple(jnp.asarray(x) for x in batch_at(train_data, 0, cfg.batch, cfg.seq, cfg.seed))
+    budget = cfg.remat_budget if cfg.remat_budget.endswith("%") else _int(cfg.remat_budget)
+    plan = remat.plan(lambda m, b: m(*b), model, first, budget, choices=_choices(cfg))
+    model.set_remat(plan, _segments(cfg))
+    log(str(plan))
   graphdef, state, train_step, eval_step = _steps(model, optimizer)
   manager = _manager(out / "checkpoints")
   history = {"step": [], "loss": [], "val_step": [], "val_loss": []}
@@ -304,6 +362,10 @@ def train(cfg: TrainConfig, *, log=print) -> dict:
       "seconds": elapsed,
       "history": history,
       "sample": sample,
+      "remat_plan": None if plan is None else {
+          "choices": list(plan.choices), "budget_bytes": plan.budget_bytes,
+          "measured_bytes": plan.measured_bytes, "no_remat_bytes": plan.no_remat_bytes,
+          "extra_flops": plan.extra_flops},
   }
   (out / "train_log.json").write_text(json.dumps(result, indent=1) + "\n")
   plot_losses(history, entropy, out / "loss_curve.png")

@@ -159,6 +159,13 @@ def load_hf_state_dict(model, state_dict: Mapping, *, strict: bool = True) -> No
     ValueError: state_dict: missing keys ['model.norm.weight'], unexpected keys []
   """
   _check_decoder(model, "load_hf_state_dict")
+  if getattr(model, "scan_layers", False):   # load per block, then stack
+    from flax import nnx
+
+    unrolled = model.with_layers(False)
+    load_hf_state_dict(unrolled, state_dict, strict=strict)
+    nnx.update(model, nnx.state(unrolled.with_layers(True)))
+    return
   _torch_maps.load_torch_state_dict(model, _canonical_keys(model, state_dict), strict=strict,
                                     mapping=hf_param_map(model.cfg))
 
@@ -184,6 +191,8 @@ def hf_state_dict(model, *, as_torch: bool = False) -> dict:
     ((32, 16), (64, 16))
   """
   _check_decoder(model, "hf_state_dict")
+  if getattr(model, "scan_layers", False):
+    model = model.with_layers(False)
   return _torch_maps.torch_state_dict(model, as_torch=as_torch, mapping=hf_param_map(model.cfg))
 
 
@@ -237,7 +246,8 @@ def read_checkpoint(directory: str | os.PathLike) -> dict[str, np.ndarray]:
 # Models ------------------------------------------------------------------------------------------
 
 
-def _decoder_from(cfg, state_dict: Mapping, *, fused: bool, remat, implementation):
+def _decoder_from(cfg, state_dict: Mapping, *, fused: bool, remat, implementation,
+                  scan_layers: bool = False):
   """A decoder with its parameters from ``state_dict``, without initializing them first."""
   from flax import nnx
 
@@ -249,18 +259,18 @@ def _decoder_from(cfg, state_dict: Mapping, *, fused: bool, remat, implementatio
     if isinstance(leaf.get_value(), jax.ShapeDtypeStruct):
       raise ValueError(f"from_pretrained: the decoder's {'.'.join(map(str, path))} has no "
                        f"Hugging Face counterpart to load it from")
-  return model
+  return model.with_layers(scan_layers)
 
 
-def from_pretrained(source, *, fused: bool = True, remat: str | None = None,
-                    implementation: str | None = None, **overrides):
+def from_pretrained(source, *, fused: bool = True, remat=None,
+                    implementation: str | None = None, scan_layers: bool = False, **overrides):
   """A :class:`jaxfuse.models.Decoder` from a Hugging Face LLaMA / Mistral / Qwen2 checkpoint.
 
   Args:
     source: a ``save_pretrained`` directory (``config.json`` and ``model.safetensors``, or
       shards listed in ``model.safetensors.index.json``), or a live ``transformers``
       ``*ForCausalLM`` model.
-    fused, remat, implementation: passed to the :class:`~jaxfuse.models.Decoder`.
+    fused, remat, implementation, scan_layers: passed to the :class:`~jaxfuse.models.Decoder`.
     **overrides: :class:`~jaxfuse.models.DecoderConfig` fields set on the mapped config, e.g.
       ``dtype=jnp.bfloat16``, ``param_dtype``, ``max_seq_len``.
 
@@ -303,7 +313,8 @@ def from_pretrained(source, *, fused: bool = True, remat: str | None = None,
   else:
     raise TypeError(f"from_pretrained: expected a directory or a transformers model, got "
                     f"{type(source).__name__}")
-  return _decoder_from(cfg, state_dict, fused=fused, remat=remat, implementation=implementation)
+  return _decoder_from(cfg, state_dict, fused=fused, remat=remat, implementation=implementation,
+                       scan_layers=scan_layers)
 
 
 def save_pretrained(model, path: str | os.PathLike, model_type: str = "llama") -> None:

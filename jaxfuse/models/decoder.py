@@ -242,6 +242,8 @@ class Decoder(nnx.Module):
     self.cfg = cfg
     self.fused = fused
     self.scan_layers = scan_layers
+    self.grad_in_forward = grad_in_forward
+    self.implementation = implementation
     self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype,
                                   param_dtype=cfg.param_dtype, rngs=rngs,
                                   embedding_init=nnx.initializers.normal(cfg.initializer_range))
@@ -284,6 +286,21 @@ class Decoder(nnx.Module):
 
   def _blocks(self):
     return [self.layers] if self.scan_layers else list(self.layers)
+
+  def with_layers(self, scan_layers: bool) -> Decoder:
+    """This model with its blocks unrolled (``False``) or stacked for a scan (``True``), its
+    parameters copied (:func:`stack_layers`, :func:`unstack_layers`)."""
+    if scan_layers == self.scan_layers:
+      return self
+    other = nnx.eval_shape(lambda: Decoder(
+        self.cfg, fused=self.fused, remat=self.remat, segments=self.segments,
+        scan_layers=scan_layers, grad_in_forward=self.grad_in_forward,
+        implementation=self.implementation, rngs=nnx.Rngs(0)))
+    convert = stack_layers if scan_layers else unstack_layers
+    state = nnx.state(other)
+    nnx.replace_by_pure_dict(state, convert(nnx.state(self), self.cfg.num_layers))
+    nnx.update(other, state)
+    return other
 
   def layer(self, i: int) -> Block:
     """Block ``i`` (for stacked layers, a module holding that block's slice)."""
@@ -413,19 +430,20 @@ def generate(model: Decoder, prompt: jax.Array, steps: int, key: jax.Array, *,
   return run(state, prompt, key)
 
 
-def stack_layers(state: nnx.State, num_layers: int) -> nnx.State:
-  """The state of an unrolled :class:`Decoder` (``nnx.state(model)``) with its blocks'
-  parameters stacked, as ``Decoder(..., scan_layers=True)`` holds them.
+def stack_layers(state: nnx.State, num_layers: int) -> dict:
+  """The state of an unrolled :class:`Decoder` (``nnx.state(model)``) as a pure dict with its
+  blocks' parameters stacked, as ``Decoder(..., scan_layers=True)`` holds them (load it with
+  ``nnx.replace_by_pure_dict``; :meth:`Decoder.with_layers` does it all).
 
   Example:
     >>> import jax, jax.numpy as jnp
     >>> from flax import nnx
     >>> from jaxfuse.models import Decoder, DecoderConfig
-    >>> from jaxfuse.models.decoder import stack_layers
     >>> cfg = DecoderConfig(vocab_size=32, d_model=16, num_layers=3, num_heads=2, mlp_dim=32)
     >>> plain = Decoder(cfg, rngs=nnx.Rngs(0))
-    >>> scanned = nnx.eval_shape(lambda: Decoder(cfg, scan_layers=True, rngs=nnx.Rngs(0)))
-    >>> nnx.update(scanned, stack_layers(nnx.state(plain), cfg.num_layers))
+    >>> scanned = plain.with_layers(scan_layers=True)
+    >>> scanned.layers.mlp.up_proj.kernel.shape      # [layers, d_model, mlp_dim]
+    (3, 16, 32)
     >>> tokens = jnp.zeros((1, 5), jnp.int32)
     >>> bool(jnp.allclose(plain.logits(tokens), scanned.logits(tokens), atol=1e-6))
     True

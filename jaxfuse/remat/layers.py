@@ -107,6 +107,22 @@ def _apply_unrolled(step, layers, carry, policies, segments):
   return carry
 
 
+_SLICES = frozenset({"dynamic_slice", "slice", "gather", "squeeze"})
+
+
+def _without_slices(policy):
+  """``policy`` (None: keep everything) that never keeps a slice of the stacked parameters:
+  a layer's slice is recomputed in the backward pass instead of kept as a copy."""
+  base = None if policy is None else resolve_policy(policy)
+
+  def keep(prim, *args, **params):
+    if prim.name in _SLICES:
+      return False
+    return True if base is None else base(prim, *args, **params)
+
+  return keep
+
+
 def _apply_scanned(step, layers, carry, policies, segments):
   graphdef, state = nnx.split(layers)
   count = jax.tree_util.tree_leaves(state)[0].shape[0]
@@ -114,39 +130,51 @@ def _apply_scanned(step, layers, carry, policies, segments):
     raise ValueError(f"apply_layers: {len(policies)} policies for {count} stacked layers")
   size = segment_size(count, segments)
 
-  def layer_body(policy):
-    def body(carry, layer_state):
-      return step(nnx.merge(graphdef, layer_state), carry)
-    body = _checkpointed(body, policy)
-    return lambda carry, layer_state: (body(carry, layer_state), None)
+  def call(carry, layer_state):
+    return step(nnx.merge(graphdef, layer_state), carry)
 
-  def scan_layers(carry, states, a, b):
-    """Layers [a, b), whose stacked state is ``states``, one scan per run of equal policies."""
+  def scan_all(carry, states, policy):
+    """Every layer of ``states`` (stacked), each under ``policy``: a scan over them."""
+    body = _checkpointed(call, policy)
+    return jax.lax.scan(lambda c, s: (body(c, s), None), carry, states)[0]
+
+  def scan_range(carry, states, lo, hi, policy):
+    """Layers [lo, hi) of ``states``: a scan over their indices that slices each layer inside
+    its (checkpointed) body, so that no copy of the parameters is kept."""
+    def body(carry, i):
+      layer_state = jax.tree_util.tree_map(
+          lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), states)
+      return call(carry, layer_state)
+    body = jax.checkpoint(body, policy=_without_slices(policy))
+    return jax.lax.scan(lambda c, i: (body(c, i), None), carry, jax.numpy.arange(lo, hi))[0]
+
+  def run(carry, states, a, b):
+    """Layers [a, b) of ``states``, one scan per run of equal policies."""
+    n = jax.tree_util.tree_leaves(states)[0].shape[0]
     for lo, hi in _runs(policies[a:b]):
-      part = jax.tree_util.tree_map(lambda x, lo=lo, hi=hi: x[lo:hi], states)
-      carry, _ = jax.lax.scan(layer_body(policies[a + lo]), carry, part)
+      policy = policies[a + lo]
+      if lo == 0 and hi == n and a == 0:
+        carry = scan_all(carry, states, policy)
+      else:
+        carry = scan_range(carry, states, a + lo, a + hi, policy)
     return carry
 
   if size is None:
-    return scan_layers(carry, state, 0, count)
-  # Segments: full ones in an outer scan when their policies agree, the rest one by one.
+    return run(carry, state, 0, count)
+  # Segments: the full ones in an outer scan when their policies agree, the others one by one;
+  # each keeps only its input carry.
   full = count // size
-  uniform = all(policies[i] == policies[i % size] for i in range(full * size))
-  if full > 1 and uniform:
-    head = jax.tree_util.tree_map(
-        lambda x: x[:full * size].reshape((full, size) + x.shape[1:]), state)
+  start = 0
+  if full > 1 and all(policies[i] == policies[i % size] for i in range(full * size)):
+    def segment(carry, j):   # slices its layers inside: no copy of the parameters is kept
+      seg = jax.tree_util.tree_map(
+          lambda x: jax.lax.dynamic_slice_in_dim(x, j * size, size), state)
+      return run(carry, seg, 0, size)
 
-    def segment(carry, seg_state):
-      return scan_layers(carry, seg_state, 0, size), None
-
-    carry, _ = jax.lax.scan(_checkpointed(segment, "nothing"), carry, head)
-    starts = [full * size]
-  else:
-    starts = list(range(0, full * size, size)) + [full * size]
-  for a in starts:
+    segment = _checkpointed(segment, "nothing")
+    carry = jax.lax.scan(lambda c, j: (segment(c, j), None), carry, jax.numpy.arange(full))[0]
+    start = full * size
+  for a in range(start, count, size):
     b = min(a + size, count)
-    if a >= b:
-      continue
-    part = jax.tree_util.tree_map(lambda x, a=a, b=b: x[a:b], state)
-    carry = _checkpointed(lambda c, s, a=a, b=b: scan_layers(c, s, a, b), "nothing")(carry, part)
+    carry = _checkpointed(lambda c, st, a=a, b=b: run(c, st, a, b), "nothing")(carry, state)
   return carry

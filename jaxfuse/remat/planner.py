@@ -148,12 +148,12 @@ class Profile:
       costs = self.layers[a]
       label = f"layer {a}" if b == a + 1 else f"layers {a}-{b - 1} (each)"
       lines.append(f"{label}:")
-      lines.append(f"  {'choice':34s} {'residual':>12s} {'offloaded':>12s} {'GFLOP':>10s}"
+      lines.append(f"  {'choice':34s} {'residual':>12s} {'offloaded':>12s} {'MFLOP':>10s}"
                    f" {'ms':>8s}")
       for c in sorted(costs.values(), key=lambda c: (c.residual_bytes, c.flops)):
         ms = "" if c.ms is None else f"{c.ms:.2f}"
         lines.append(f"  {c.choice:34s} {_mib(c.residual_bytes):>12s} "
-                     f"{_mib(c.offloaded_bytes):>12s} {c.flops / 1e9:10.4f} {ms:>8s}")
+                     f"{_mib(c.offloaded_bytes):>12s} {c.flops / 1e6:10.2f} {ms:>8s}")
       named = {k: v for k, v in self.named_bytes[a].items() if v}
       lines.append("  named values (bytes each keeps): " + ", ".join(
           f"{k} {_mib(v)}" for k, v in named.items()))
@@ -161,11 +161,15 @@ class Profile:
 
 
 def _mib(b: int) -> str:
-  return f"{b / 2**20:.2f} MiB"
+  """Bytes in the largest binary unit that keeps them at least 1."""
+  for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    if abs(b) >= size:
+      return f"{b / size:.2f} {unit}"
+  return f"{b} B"
 
 
 def _gflop(f: int) -> str:
-  return f"{f / 1e9:.3f} GFLOP"
+  return f"{f / 1e9:.4g} GFLOP"
 
 
 def _identical_runs(layers) -> list[tuple[int, int]]:
@@ -391,21 +395,35 @@ def plan(loss_fn: Callable, model, batch, budget_bytes: int | float | str, *,
     raise BudgetError(f"plan: no plan fits {budget} bytes: the least any plan keeps is "
                       f"{min_bytes} bytes ({min_bytes / prof.no_remat_bytes:.1%} of the "
                       f"{prof.no_remat_bytes} bytes without recomputation)")
-  picked = _knapsack(usable, budget - prof.base_bytes, cost)
-  assert picked is not None  # the least-bytes plan fits
-  predicted_bytes, predicted_flops = prof.total(picked)
-  result = Plan(tuple(picked), tuple(freeze_policy(choice_policy(c)) for c in picked), budget,
-                predicted_bytes, predicted_flops, prof.no_remat_bytes, prof.no_remat_flops,
-                min_bytes)
-  if measure:
-    saved = (model.remat, model.segments)
-    try:
-      model.set_remat(result)
-      measured = _step_costs(loss_fn, model, batch, with_flops=False)
-    finally:
-      model.set_remat(*saved)
+  capacity = budget - prof.base_bytes
+  for _ in range(4):
+    picked = _knapsack(usable, capacity, cost)
+    if picked is None:
+      raise BudgetError(f"plan: no plan fits {budget} bytes once measured (the least any plan "
+                        f"keeps is about {min_bytes} bytes)")
+    predicted_bytes, predicted_flops = prof.total(picked)
+    result = Plan(tuple(picked), tuple(freeze_policy(choice_policy(c)) for c in picked), budget,
+                  predicted_bytes, predicted_flops, prof.no_remat_bytes, prof.no_remat_flops,
+                  min_bytes)
+    if not measure:
+      return result
+    measured = _measure(loss_fn, model, batch, result)
     result = dataclasses.replace(result, measured_bytes=measured)
-  return result
+    if measured <= budget:
+      return result
+    # The layers' bytes did not add up exactly (e.g. a scan's index vector): plan again with
+    # the overshoot taken off.
+    capacity -= measured - budget
+  raise BudgetError(f"plan: the plans found keep more than the {budget} bytes when measured")
+
+
+def _measure(loss_fn, model, batch, result: Plan) -> int:
+  saved = (model.remat, model.segments)
+  try:
+    model.set_remat(result)
+    return _step_costs(loss_fn, model, batch, with_flops=False)
+  finally:
+    model.set_remat(*saved)
 
 
 def _budget(budget, no_remat_bytes: int) -> int:
