@@ -45,7 +45,7 @@ from jaxfuse import nnx as jnnx
 from jaxfuse.models.config import DecoderConfig
 from jaxfuse.ops import dense, names, rotary_embedding
 from jaxfuse.ops.flash_attention import attention
-from jaxfuse.remat.layers import apply_layers, stacked
+from jaxfuse.remat.layers import LayerStack, stacked
 
 IGNORE_INDEX = -100
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -206,7 +206,7 @@ class Block(nnx.Module):
     return self(checkpoint_name(carry, names.BLOCK_INPUT), positions)
 
 
-class Decoder(nnx.Module):
+class Decoder(LayerStack, nnx.Module):
   """A decoder-only language model; see the module docstring.
 
   Args:
@@ -265,28 +265,6 @@ class Decoder(nnx.Module):
 
   # Recomputation ------------------------------------------------------------------------------
 
-  @property
-  def num_layers(self) -> int:
-    return self.cfg.num_layers
-
-  def set_remat(self, remat=None, segments: str | int | None = None) -> None:
-    """Sets what each block's backward keeps (``remat`` and ``segments`` as the constructor
-    takes them); checked here, used by the next call."""
-    from jaxfuse.remat import freeze_policy, layer_policies
-    from jaxfuse.remat.layers import segment_size
-
-    self.layer_policies = layer_policies(remat, self.cfg.num_layers, "Decoder")
-    segment_size(self.cfg.num_layers, segments)   # checks it
-    self.remat = freeze_policy(remat)
-    self.segments = segments
-    # Under a policy the MLP recomputes nothing by itself: the policy decides.
-    recompute = "activation" if remat is None else None
-    for block in self._blocks():
-      block.mlp.recompute = recompute
-
-  def _blocks(self):
-    return [self.layers] if self.scan_layers else list(self.layers)
-
   def with_layers(self, scan_layers: bool) -> Decoder:
     """This model with its blocks unrolled (``False``) or stacked for a scan (``True``), its
     parameters copied (:func:`stack_layers`, :func:`unstack_layers`)."""
@@ -301,13 +279,6 @@ class Decoder(nnx.Module):
     nnx.replace_by_pure_dict(state, convert(nnx.state(self), self.cfg.num_layers))
     nnx.update(other, state)
     return other
-
-  def layer(self, i: int) -> Block:
-    """Block ``i`` (for stacked layers, a module holding that block's slice)."""
-    if not self.scan_layers:
-      return self.layers[i]
-    graphdef, state = nnx.split(self.layers)
-    return nnx.merge(graphdef, jax.tree_util.tree_map(lambda x: x[i], state))
 
   def block_carry(self, tokens: jax.Array) -> Any:
     """What the first block receives for ``tokens``: ``(pending, stream)`` when fused, the
@@ -329,8 +300,7 @@ class Decoder(nnx.Module):
     if positions is None:
       positions = jnp.arange(tokens.shape[-1])
     carry = self.block_carry(tokens)
-    carry = apply_layers(lambda block, c: block.step(c, positions), self.layers, carry,
-                         policies=self.layer_policies, segments=self.segments)
+    carry = self.apply_blocks(carry, positions)
     if self.fused:
       return self.norm.add(*carry)[0]
     return self.norm(carry)

@@ -178,3 +178,51 @@ def _apply_scanned(step, layers, carry, policies, segments):
     b = min(a + size, count)
     carry = _checkpointed(lambda c, st, a=a, b=b: run(c, st, a, b), "nothing")(carry, state)
   return carry
+
+
+class LayerStack:
+  """What a model with a stack of layers needs for recomputation; mixed into
+  :class:`jaxfuse.models.Decoder` and :class:`jaxfuse.models.MLPStack`.
+
+  The model holds ``self.layers`` (an ``nnx.List`` of blocks, or one block with stacked
+  parameters when ``self.scan_layers``), and each block has ``step(carry, *args)``. It gets
+  ``num_layers``, ``layer(i)``, ``set_remat(remat, segments)``, ``remat``, ``segments`` and
+  ``layer_policies``, and runs its blocks with :meth:`apply_blocks`. Blocks with an ``mlp``
+  whose ``recompute`` is ``"activation"`` recompute nothing by themselves under a policy: the
+  policy decides.
+  """
+
+  @property
+  def num_layers(self) -> int:
+    if self.scan_layers:
+      return jax.tree_util.tree_leaves(nnx.state(self.layers))[0].shape[0]
+    return len(self.layers)
+
+  def set_remat(self, remat=None, segments: str | int | None = None) -> None:
+    """Sets what each block's backward keeps: ``remat`` is None (no recomputation), ``"block"``
+    (only the block's input), a policy for every block or a :class:`jaxfuse.remat.Plan`;
+    ``segments`` is None, ``"sqrt"`` or a size. Checked here, used by the next call."""
+    from jaxfuse.remat.planner import layer_policies
+    from jaxfuse.remat.policies import freeze_policy
+
+    self.layer_policies = layer_policies(remat, self.num_layers, type(self).__name__)
+    segment_size(self.num_layers, segments)   # checks it
+    self.remat = freeze_policy(remat)
+    self.segments = segments
+    recompute = "activation" if remat is None else None
+    for block in ([self.layers] if self.scan_layers else list(self.layers)):
+      mlp = getattr(block, "mlp", None)
+      if mlp is not None and hasattr(mlp, "recompute"):
+        mlp.recompute = recompute
+
+  def layer(self, i: int):
+    """Block ``i`` (for stacked layers, a module holding that block's slice)."""
+    if not self.scan_layers:
+      return self.layers[i]
+    graphdef, state = nnx.split(self.layers)
+    return nnx.merge(graphdef, jax.tree_util.tree_map(lambda x: x[i], state))
+
+  def apply_blocks(self, carry, *args):
+    """``carry = block.step(carry, *args)`` over the blocks, under the model's policies."""
+    return apply_layers(lambda block, c: block.step(c, *args), self.layers, carry,
+                        policies=self.layer_policies, segments=self.segments)
