@@ -35,6 +35,7 @@ bench-tables: $(STAMP)
 	$(PY) -m benchmarks train-cli --from-json benchmarks/results/train-cli-cpu.json $(TABLES)
 	$(PY) -m benchmarks layouts --from-json benchmarks/results/layouts-cpu-quick.json --readme benchmarks/README.md
 	$(PY) -m benchmarks kernels --from-json benchmarks/results/kernels-sm90a-quick.json $(TABLES)
+	$(PY) -m benchmarks remat --from-json benchmarks/results/remat-cpu-quick.json $(TABLES)
 
 bench-quick: $(STAMP) $(VENV)/.compare
 	$(PY) -m benchmarks seed --quick

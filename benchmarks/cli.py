@@ -34,6 +34,7 @@ SUITES = {
     "train": "benchmarks.suites.train",
     "kernels": "benchmarks.suites.kernels",
     "train-cli": "benchmarks.suites.train_cli",
+    "remat": "benchmarks.suites.remat",
 }
 # Options that say where tables go, left out of the command a table says it was written by.
 _OUTPUT_OPTIONS = ("--readme", "--headline")

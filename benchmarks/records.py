@@ -43,6 +43,7 @@ class Record:
     xla_bytes_accessed: XLA's compiled cost analysis of the step (never in ``bytes_moved``).
     temp_bytes: XLA's compiled temp memory of the step.
     flops: FLOPs of one step, recomputation included.
+    budget_bytes: the residual bytes a recomputation plan had to fit.
     final_loss: a training suite's loss (which step's: ``sources``).
     peak_bytes: peak device memory, where it can be attributed to this row.
     arch: the GPU target a kernel was compiled for (``sm_90a``), kernel-resource rows.
@@ -57,6 +58,7 @@ class Record:
     reference: what the errors are taken against.
     note: free text.
     sources: field name -> how that figure was produced.
+    series: named lists of numbers a plot draws (e.g. a planner's frontier); not tabled.
   """
 
   suite: str
@@ -72,6 +74,7 @@ class Record:
   xla_bytes_accessed: int | None = None
   temp_bytes: int | None = None
   flops: float | None = None
+  budget_bytes: int | None = None
   final_loss: float | None = None
   peak_bytes: int | None = None
   arch: str | None = None
@@ -85,6 +88,7 @@ class Record:
   reference: str | None = None
   note: str | None = None
   sources: dict[str, str] | None = None
+  series: dict[str, list] | None = None
 
   def set(self, field: str, value, source: str) -> None:
     """Sets a figure and says where it comes from; a None value records no source."""
@@ -171,6 +175,8 @@ CELLS: dict[str, Callable[[Record], str]] = {
     "smem": lambda r: format_bytes(r.smem_bytes),
     "blocks/SM": lambda r: "—" if r.occupancy is None else str(r.occupancy),
     "final loss": lambda r: "—" if r.final_loss is None else f"{r.final_loss:.3f}",
+    "budget": lambda r: format_bytes(r.budget_bytes),
+    "GFLOP": lambda r: "—" if r.flops is None else f"{r.flops / 1e9:.3f}",
     "note": lambda r: r.note or "—",
 }
 COLUMNS = ("case", "impl", "dtype", "time ms (min–max)", "ratio", "residual", "bytes moved",
@@ -183,6 +189,8 @@ SUITE_COLUMNS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
                  "note"),
                 ("case", "impl", "dtype", "arch", "regs", "spill", "smem", "blocks/SM", "note")),
     "train-cli": (("case", "impl", "dtype", "final loss", "note"),) * 2,
+    "remat": (("case", "impl", "median ms", "ratio", "residual", "budget", "GFLOP", "note"),
+              ("case", "impl", "median ms", "ratio", "residual", "budget", "GFLOP", "note")),
 }
 
 

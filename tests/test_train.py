@@ -78,3 +78,28 @@ def test_bad_input_gets_a_clear_error_and_writes_nothing(tmp_path, capsys):
   assert train.main([*TINY, "--out", str(tmp_path / "run")]) == 2   # not --resume
   assert "pass --resume" in capsys.readouterr().err
   assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == before
+
+
+def test_a_remat_budget_plans_per_block_and_trains_the_same(tmp_path):
+  """--remat-budget plans on the first batch within the budget; recomputation changes what is
+  kept, not what is computed: the losses match the run without it."""
+  three = ["--layers", "3", "--steps", "3", "--save-every", "3"]
+  plain = _run(tmp_path, "plain", *three)
+  planned = _run(tmp_path, "planned", *three, "--remat-budget", "50%", "--remat-choices",
+                 "none,nothing,minimal", "--scan-layers", "--segments", "sqrt")
+  plan = planned["remat_plan"]
+  assert len(plan["choices"]) == 3 and set(plan["choices"]) <= {"none", "nothing", "minimal"}
+  assert plan["measured_bytes"] <= plan["budget_bytes"] == int(0.5 * plan["no_remat_bytes"])
+  np.testing.assert_allclose(planned["history"]["loss"], plain["history"]["loss"], rtol=1e-5)
+  assert plain["remat_plan"] is None
+
+
+def test_remat_options_are_checked(tmp_path, capsys):
+  out = ["--out", str(tmp_path / "bad")]
+  assert train.main([*TINY, "--remat", "--remat-budget", "50%", *out]) == 2
+  assert "at most one of --remat, --remat-policy and --remat-budget" in capsys.readouterr().err
+  assert train.main([*TINY, "--remat-policy", "no_such_recipe", *out]) == 2
+  assert "no_such_recipe" in capsys.readouterr().err
+  assert train.main([*TINY, "--segments", "half", *out]) == 2
+  assert "--segments must be 'sqrt' or a positive number" in capsys.readouterr().err
+  assert not (tmp_path / "bad").exists()

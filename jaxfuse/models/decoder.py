@@ -198,11 +198,22 @@ class Block(nnx.Module):
     normed, stream = self.post_attention_layernorm.add(a, stream)
     return self.mlp(normed), stream
 
+  def stream_call(self, h: jax.Array, positions: jax.Array) -> jax.Array:
+    """The fused block on the whole residual stream ``h``: the post-attention add is fused
+    with its RMSNorm; the MLP's output is added to the stream by itself. One array crosses the
+    block's boundary (what a recomputed block keeps) instead of two."""
+    h = checkpoint_name(h, names.BLOCK_INPUT)
+    a = self.self_attn(self.input_layernorm(h), positions)
+    normed, stream = self.post_attention_layernorm.add(a, h)
+    return stream + self.mlp(normed)
+
   def step(self, carry, positions):
-    """One block on the carry of :meth:`Decoder.hidden`: ``(pending, stream)`` when fused, the
-    residual stream otherwise."""
-    if self.fused:
+    """One block on the carry of :meth:`Decoder.hidden`: ``(pending, stream)`` when fused (a
+    tuple), the residual stream otherwise."""
+    if isinstance(carry, tuple):
       return self.fused_call(*carry, positions)
+    if self.fused:
+      return self.stream_call(carry, positions)
     return self(checkpoint_name(carry, names.BLOCK_INPUT), positions)
 
 
@@ -218,7 +229,9 @@ class Decoder(LayerStack, nnx.Module):
       preset, a MaxText recipe, a list of names, a ``{name: "remat" | "device" | "offload"}``
       table), applied to every block; or a :class:`jaxfuse.remat.Plan`, one policy per block.
       Under a policy the blocks' ops keep nothing of their own accord: the policy decides, by
-      the names of :mod:`jaxfuse.ops.names`.
+      the names of :mod:`jaxfuse.ops.names`; and the blocks pass one array between them (the
+      residual stream, its last add not fused with the next RMSNorm), so that a block that
+      keeps only its input keeps one array, not two.
     segments: ``None``, ``"sqrt"`` or a number of blocks: checkpoint segments of about
       √L blocks (each keeps only its input; Chen et al. 2016), see
       :mod:`jaxfuse.remat.layers`.
@@ -281,10 +294,17 @@ class Decoder(LayerStack, nnx.Module):
     return other
 
   def block_carry(self, tokens: jax.Array) -> Any:
-    """What the first block receives for ``tokens``: ``(pending, stream)`` when fused, the
-    embedded tokens otherwise (the input of :meth:`Block.step`)."""
+    """What the first block receives for ``tokens`` (the input of :meth:`Block.step`): when
+    fused and no block is recomputed, ``(pending, stream)``, so that each residual add is fused
+    with the RMSNorm after it across the blocks' boundary; otherwise the embedded tokens, the
+    one array a recomputed block keeps."""
     h = self.embed_tokens(tokens)
-    return (jnp.zeros_like(h), h) if self.fused else h
+    return (jnp.zeros_like(h), h) if self._pending_carry else h
+
+  @property
+  def _pending_carry(self) -> bool:
+    return self.fused and self.segments is None and all(
+        p is None for p in self.layer_policies)
 
   def remat_block(self, batch) -> tuple:
     """``(step, carry)`` for :func:`jaxfuse.remat.profile`: ``carry = step(self.layer(i),
@@ -299,9 +319,8 @@ class Decoder(LayerStack, nnx.Module):
     """The final normalized hidden states ``[batch, seq, d_model]``."""
     if positions is None:
       positions = jnp.arange(tokens.shape[-1])
-    carry = self.block_carry(tokens)
-    carry = self.apply_blocks(carry, positions)
-    if self.fused:
+    carry = self.apply_blocks(self.block_carry(tokens), positions)
+    if isinstance(carry, tuple):
       return self.norm.add(*carry)[0]
     return self.norm(carry)
 

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 import jax
 from flax import linen, nnx
 
-from jaxfuse.remat.policies import PolicySpec, resolve_policy
+from jaxfuse.remat.policies import PolicySpec, freeze_policy, resolve_policy
 
 
 def _argnums(static_argnums: int | Sequence[int]) -> tuple[int, ...]:
@@ -63,7 +63,7 @@ class Remat(nnx.Module):
   def __init__(self, module: nnx.Module, policy: PolicySpec, static_argnums: tuple[int, ...],
                prevent_cse: bool):
     self.module = module
-    self.policy = nnx.static(policy)
+    self.policy = freeze_policy(policy)
     self.static_argnums = static_argnums
     self.prevent_cse = prevent_cse
 
