@@ -83,10 +83,10 @@ def test_bad_input_gets_a_clear_error_and_writes_nothing(tmp_path, capsys):
 def test_a_remat_budget_plans_per_block_and_trains_the_same(tmp_path):
   """--remat-budget plans on the first batch within the budget; recomputation changes what is
   kept, not what is computed: the losses match the run without it."""
-  three = ["--layers", "3", "--steps", "3", "--save-every", "3"]
+  three = ["--layers", "3", "--steps", "3", "--save-every", "3", "--scan-layers"]
   plain = _run(tmp_path, "plain", *three)
   planned = _run(tmp_path, "planned", *three, "--remat-budget", "50%", "--remat-choices",
-                 "none,nothing,minimal", "--scan-layers", "--segments", "sqrt")
+                 "none,nothing,minimal", "--segments", "sqrt")
   plan = planned["remat_plan"]
   assert len(plan["choices"]) == 3 and set(plan["choices"]) <= {"none", "nothing", "minimal"}
   assert plan["measured_bytes"] <= plan["budget_bytes"] == int(0.5 * plan["no_remat_bytes"])

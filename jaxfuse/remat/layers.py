@@ -205,8 +205,9 @@ class LayerStack:
     from jaxfuse.remat.planner import layer_policies
     from jaxfuse.remat.policies import freeze_policy
 
-    self.layer_policies = layer_policies(remat, self.num_layers, type(self).__name__)
-    segment_size(self.num_layers, segments)   # checks it
+    policies = layer_policies(remat, self.num_layers, type(self).__name__)
+    segment_size(self.num_layers, segments)   # checks it before anything changes
+    self.layer_policies = policies
     self.remat = freeze_policy(remat)
     self.segments = segments
     recompute = "activation" if remat is None else None

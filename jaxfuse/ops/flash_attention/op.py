@@ -224,11 +224,12 @@ def attention_vjp(q, k, v, q_seg, kv_seg, kv_lengths, bias, cfg):
 
 
 def _attention_fwd(q, k, v, q_seg, kv_seg, kv_lengths, bias, cfg):
-  o, lse = _forward(q, k, v, q_seg, kv_seg, kv_lengths, bias, cfg)
   # Residuals: the inputs (free), the output and one float32 per query row and head, each
-  # under its name (jaxfuse.ops.names) for recomputation policies.
+  # under its name (jaxfuse.ops.names) for recomputation policies. The inputs are named before
+  # the forward reads them, so that a policy keeping them spares their producers' recompute.
   q, k, v = (checkpoint_name(x, n) for x, n in ((q, names.ATTN_Q), (k, names.ATTN_K),
                                                (v, names.ATTN_V)))
+  o, lse = _forward(q, k, v, q_seg, kv_seg, kv_lengths, bias, cfg)
   o, lse = checkpoint_name(o, names.ATTN_OUT), checkpoint_name(lse, names.ATTN_LSE)
   return o, (q, k, v, q_seg, kv_seg, kv_lengths, bias, o, lse)
 
