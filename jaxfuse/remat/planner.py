@@ -13,7 +13,11 @@ Pareto-optimal ``(bytes, FLOPs)`` partial plans). The plan it returns is accepte
 ``Decoder(remat=plan)``, :meth:`Decoder.set_remat`, :func:`jaxfuse.remat.remat` (when it chose
 one policy for all layers) and ``python -m jaxfuse.train --remat-budget 50%``; ``print(plan)``
 shows the choices and their costs, and its ``measured_bytes`` is the whole step's residual
-bytes under it, measured after planning.
+bytes under it, measured after planning. The prediction adds the layers' costs to those of the
+rest of the step, which include every layer's input carry; a layer that recomputes nothing
+keeps its input among its own residuals, so a plan with such layers can measure up to one
+carry per such layer below its prediction. A plan whose measured bytes exceed the budget is
+planned again with the excess taken off.
 
 A model that can be profiled has ``num_layers``, ``layer(i)``, ``remat`` and ``segments``,
 ``set_remat(remat, segments)`` and ``remat_block(batch) -> (step, carry)`` (``carry = step(layer, carry)`` runs one layer), as
