@@ -12,16 +12,11 @@ from tests.torch_ref import attention as ref
 
 def inputs(b, tq, tk, hq, hkv, d, dtype=jnp.float32, seed=0):
   """Random q, k, v and an output cotangent g in the [batch, seq, heads, head_dim] layout."""
-  kq, kk, kv, kg = jax.random.split(jax.random.key(seed), 4)
-  q = jax.random.normal(kq, (b, tq, hq, d)).astype(dtype)
-  k = jax.random.normal(kk, (b, tk, hkv, d)).astype(dtype)
-  v = jax.random.normal(kv, (b, tk, hkv, d)).astype(dtype)
-  g = jax.random.normal(kg, (b, tq, hq, d)).astype(dtype)
-  return q, k, v, g
+  return helpers.normals(seed, (b, tq, hq, d), (b, tk, hkv, d), (b, tk, hkv, d), (b, tq, hq, d),
+                         dtype=dtype)
 
 
-# The tests compile many small programs and run each once: skip LLVM's optimizations.
-FAST_COMPILE = {"xla_backend_optimization_level": 0}
+FAST_COMPILE = helpers.FAST_COMPILE
 
 
 def jax_step(q, k, v, g, impl, bias=None, **kw):

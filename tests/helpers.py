@@ -13,6 +13,9 @@ from jaxfuse.ops import dispatch
 
 ON_GPU = jax.default_backend() == "gpu"
 
+# The tests compile many small programs and run each once: skip LLVM's optimizations.
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
 # Implementations every op is tested with on this machine: XLA, and Pallas (interpret mode on
 # CPU). Triton kernels are tested through their own interpreter tests on CPU.
 CPU_IMPLEMENTATIONS = ("xla", "pallas")
@@ -40,23 +43,46 @@ def to_numpy(x) -> np.ndarray:
   return np.asarray(jnp.asarray(x).astype(jnp.float32), dtype=np.float64)
 
 
+# Random inputs are drawn by numpy: jax.random compiles its sampler anew for every shape it
+# draws (seconds for a rank-4 shape on a CPU), and the tests draw inputs of many shapes.
+
+
+def numpy_normals(seed, *shapes) -> tuple[np.ndarray, ...]:
+  """float32 standard normal numpy arrays of ``shapes``, drawn in turn from one generator
+  seeded with ``seed``."""
+  rng = np.random.default_rng(seed)
+  return tuple(rng.standard_normal(shape, dtype=np.float32) for shape in shapes)
+
+
+def to_jax(dtype, *arrays) -> tuple[jax.Array, ...]:
+  """Numpy arrays as JAX arrays of ``dtype`` (rounded to nearest even, as XLA does)."""
+  return tuple(jnp.asarray(np.asarray(x).astype(jnp.dtype(dtype))) for x in arrays)
+
+
+def normals(seed, *shapes, dtype=jnp.float32, scale=1.0) -> tuple[jax.Array, ...]:
+  """Standard normal arrays of ``shapes`` (times ``scale``, in ``dtype``), drawn in turn from
+  one generator seeded with ``seed``."""
+  return to_jax(dtype, *(scale * x for x in numpy_normals(seed, *shapes)))
+
+
+def normal(seed, shape, dtype=jnp.float32, scale=1.0) -> jax.Array:
+  """One array of :func:`normals`."""
+  return normals(seed, shape, dtype=dtype, scale=scale)[0]
+
+
 def random_pair(shape, dtype, seed=0):
   """``(a, b, g)``: two inputs (``a`` scaled by 2, to reach the activations' tails) and a
   cotangent, drawn from one seed."""
-  ka, kb, kg = jax.random.split(jax.random.key(seed), 3)
-  a = (2 * jax.random.normal(ka, shape)).astype(dtype)
-  b = jax.random.normal(kb, shape).astype(dtype)
-  g = jax.random.normal(kg, shape).astype(dtype)
-  return a, b, g
+  a, b, g = numpy_normals(seed, shape, shape, shape)
+  return to_jax(dtype, 2 * a, b, g)
 
 
 def jax_value_and_grads(fn, args, g):
   """``(fn(*args), *grads)`` with the gradients pulled back from cotangent ``g``, under jit."""
-  @jax.jit
   def run(args, g):
     out, vjp = jax.vjp(fn, *args)
     return (out, *vjp(g))
-  return run(tuple(args), g)
+  return jax.jit(run, compiler_options=FAST_COMPILE)(tuple(args), g)
 
 
 def torch_value_and_grads(fn, args, g, dtype=None):
@@ -139,9 +165,9 @@ def jax_hessian_vector_products(fn, args, w, vs):
   def directional(*args):
     return sum(jnp.vdot(g, v) for g, v in zip(grad(*args), vs))
 
-  reverse = jax.jit(jax.grad(directional, argnums=argnums))(*args)
-  forward = jax.jit(lambda args, vs: jax.jvp(lambda *a: grad(*a), args, vs)[1])(
-      tuple(args), tuple(vs))
+  reverse = jax.jit(jax.grad(directional, argnums=argnums), compiler_options=FAST_COMPILE)(*args)
+  forward = jax.jit(lambda args, vs: jax.jvp(lambda *a: grad(*a), args, vs)[1],
+                    compiler_options=FAST_COMPILE)(tuple(args), tuple(vs))
   return reverse, forward
 
 

@@ -28,12 +28,8 @@ def small_tiles(monkeypatch):
 
 
 def _inputs(b, tq, tk, hq, hkv, d, seed=0, dtype=jnp.float32):
-  ks = jax.random.split(jax.random.key(seed), 4)
-  q = jax.random.normal(ks[0], (b, tq, hq, d)).astype(dtype)
-  k = jax.random.normal(ks[1], (b, tk, hkv, d)).astype(dtype)
-  v = jax.random.normal(ks[2], (b, tk, hkv, d)).astype(dtype)
-  g = jax.random.normal(ks[3], (b, tq, hq, d)).astype(dtype)
-  return q, k, v, g
+  return helpers.normals(seed, (b, tq, hq, d), (b, tk, hkv, d), (b, tk, hkv, d), (b, tq, hq, d),
+                         dtype=dtype)
 
 
 def _torch_attention(q, k, v, *, causal, window=None, softcap=None, kv_lengths=None,
@@ -100,7 +96,7 @@ def test_features_with_a_bias_match_torch_float64(impl, small_tiles, pallas_mode
   """The bias is added after the soft-cap: its gradient is taken before the cap's factor."""
   tq, tk = 29, 45
   q, k, v, g = _inputs(2, tq, tk, 4, 2, 16, seed=8)
-  bias = jax.random.normal(jax.random.key(9), (1, 4, tq, tk))
+  bias = helpers.normal(9, (1, 4, tq, tk))
   kv_lengths = jnp.array([tk, 30])
   kw = dict(causal="bottom_right", window=13, softcap=3.0, kv_lengths=kv_lengths)
   got = helpers.jax_value_and_grads(
@@ -142,8 +138,10 @@ def test_decoding_from_a_cache_equals_the_full_forward(impl, small_tiles, pallas
   q, k, v, _ = _inputs(b, t, t, hq, hkv, d, seed=5)
   run = jax.jit(lambda q, k, v, lengths: attention(
       q, k, v, causal="bottom_right", kv_lengths=lengths, sliding_window=9,
-      implementation=impl))
-  full = attention(q, k, v, causal=True, sliding_window=9, implementation="xla")
+      implementation=impl), compiler_options=helpers.FAST_COMPILE)
+  full = jax.jit(lambda q, k, v: attention(q, k, v, causal=True, sliding_window=9,
+                                           implementation="xla"),
+                 compiler_options=helpers.FAST_COMPILE)(q, k, v)
   k_buf = jnp.zeros((b, buffer, hkv, d)).at[:, :t].set(k)
   v_buf = jnp.zeros((b, buffer, hkv, d)).at[:, :t].set(v)
   prompt = 15

@@ -21,7 +21,7 @@ FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
 
 def _x(shape, seed):
-  return jax.random.normal(jax.random.key(seed), shape)
+  return helpers.normal(seed, shape)
 
 
 def _param_shapes(state):

@@ -18,11 +18,8 @@ SIZES = [64, 768, 1000, 4097, 8192]
 
 
 def _inputs(shape, dtype, seed=0):
-  kx, kb, kg = jax.random.split(jax.random.key(seed), 3)
-  x = (2 * jax.random.normal(kx, shape)).astype(dtype)
-  bias = jax.random.normal(kb, shape[-1:]).astype(dtype)
-  g = jax.random.normal(kg, shape).astype(dtype)
-  return x, bias, g
+  x, bias, g = helpers.numpy_normals(seed, shape, shape[-1:], shape)
+  return helpers.to_jax(dtype, 2 * x, bias, g)
 
 
 def _jax(x, bias, g, act, impl):

@@ -18,27 +18,31 @@ IGNORE = -100
 
 
 def _inputs(lead, d, v, dtype=jnp.float32, seed=0, ignored=0.2, scale=1.0):
-  kh, kw, kb, ky, ki, kg = jax.random.split(jax.random.key(seed), 6)
-  h = jax.random.normal(kh, (*lead, d)).astype(dtype)
-  w = (scale * jax.random.normal(kw, (v, d)) / np.sqrt(d)).astype(dtype)
-  b = (0.1 * jax.random.normal(kb, (v,))).astype(dtype)
-  y = jax.random.randint(ky, lead, 0, v)
-  y = jnp.where(jax.random.uniform(ki, lead) < ignored, IGNORE, y)
-  g = jax.random.normal(kg, lead)  # cotangent for reduction="none"
+  # Drawn by numpy: jax.random compiles its samplers anew for every shape.
+  rng = np.random.default_rng(seed)
+  h, w, b = (rng.standard_normal(shape, dtype=np.float32) for shape in ((*lead, d), (v, d), (v,)))
+  h, w, b = helpers.to_jax(dtype, h, scale * w / np.float32(np.sqrt(d)), 0.1 * b)
+  y = rng.integers(0, v, lead)
+  y = jnp.asarray(np.where(rng.random(lead) < ignored, IGNORE, y).astype(np.int32))
+  g = jnp.asarray(rng.standard_normal(lead, dtype=np.float32))  # cotangent for reduction="none"
   return h, w, b, y, g
 
 
 def _jax_run(h, w, b, y, g, *, impl, reduction="mean", use_bias=True, **opts):
-  def loss_fn(h, w, b):
-    loss = linear_cross_entropy(h, w, y, bias=b if use_bias else None, reduction=reduction,
-                                implementation=impl, **opts)
-    return jnp.sum(loss * g) if reduction == "none" else loss
+  """The loss and its gradients in one jitted program (the labels stay concrete: checked)."""
+  def run(h, w, b, g):
+    def loss_fn(h, w, b):
+      loss = linear_cross_entropy(h, w, y, bias=b if use_bias else None, reduction=reduction,
+                                  implementation=impl, **opts)
+      return jnp.sum(loss * g) if reduction == "none" else loss
 
-  loss, grads = jax.value_and_grad(loss_fn, argnums=(0, 1, 2))(h, w, b)
-  if reduction == "none":
-    loss = linear_cross_entropy(h, w, y, bias=b if use_bias else None, reduction="none",
-                                implementation=impl, **opts)
-  return (loss, *grads[:3 if use_bias else 2])
+    loss, grads = jax.value_and_grad(loss_fn, argnums=(0, 1, 2))(h, w, b)
+    if reduction == "none":
+      loss = linear_cross_entropy(h, w, y, bias=b if use_bias else None, reduction="none",
+                                  implementation=impl, **opts)
+    return (loss, *grads[:3 if use_bias else 2])
+
+  return jax.jit(run, compiler_options=helpers.FAST_COMPILE)(h, w, b, g)
 
 
 def _torch_run(h, w, b, y, g, *, dtype=None, reduction="mean", use_bias=True, **opts):
@@ -156,7 +160,8 @@ def test_lse_and_accuracy(impl, pallas_mode):
                                      logit_softcap=5.0, implementation=impl)
     return loss + 0.1 * jnp.sum(aux["lse"] * g), aux
 
-  (_, aux), grads = jax.value_and_grad(loss_fn, argnums=(0, 1, 2), has_aux=True)(h, w, b)
+  (_, aux), grads = jax.jit(jax.value_and_grad(loss_fn, argnums=(0, 1, 2), has_aux=True),
+                            compiler_options=helpers.FAST_COMPILE)(h, w, b)
   th, tw, tb = (helpers.to_torch(x, requires_grad=True) for x in (h, w, b))
   ty = torch.from_numpy(np.array(y)).long()
   logits = 5.0 * torch.tanh((th @ tw.T + tb) / 5.0)
@@ -171,17 +176,23 @@ def test_lse_and_accuracy(impl, pallas_mode):
   want_accuracy = hits.sum().item() / valid.sum().item()
   assert want_accuracy > 0
   helpers.assert_close(aux["accuracy"], want_accuracy)
-  per_token = linear_cross_entropy(h, w, y, bias=b, reduction="none", return_accuracy=True,
-                                   logit_softcap=5.0, implementation=impl)[1]["accuracy"]
+  per_token = jax.jit(lambda h, w, b: linear_cross_entropy(
+      h, w, y, bias=b, reduction="none", return_accuracy=True, logit_softcap=5.0,
+      implementation=impl)[1]["accuracy"], compiler_options=helpers.FAST_COMPILE)(h, w, b)
   np.testing.assert_array_equal(np.asarray(per_token), hits.numpy().astype(np.float32))
 
 
 def test_matches_the_full_logits_reference():
   h, w, b, y, _ = _inputs((4, 31), 32, 777, seed=8, scale=3.0)
   opts = OPTIONS["all"]
+
+  @functools.partial(jax.jit, static_argnames="reduction", compiler_options=helpers.FAST_COMPILE)
+  def both(h, w, b, reduction):
+    return (linear_cross_entropy(h, w, y, bias=b, reduction=reduction, **opts),
+            linear_cross_entropy_reference(h, w, y, bias=b, reduction=reduction, **opts))
+
   for reduction in ("mean", "sum", "none"):
-    got = linear_cross_entropy(h, w, y, bias=b, reduction=reduction, **opts)
-    want = linear_cross_entropy_reference(h, w, y, bias=b, reduction=reduction, **opts)
+    got, want = both(h, w, b, reduction=reduction)
     helpers.assert_close(got, want, what=reduction)
 
 

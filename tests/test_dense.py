@@ -18,12 +18,9 @@ SHAPES = [((64, 32), 48), ((5, 37, 123), 77), ((1, 3), 1)]
 
 
 def _inputs(x_shape, out, dtype, seed=0):
-  kx, kk, kb, kg = jax.random.split(jax.random.key(seed), 4)
-  x = jax.random.normal(kx, x_shape).astype(dtype)
-  kernel = (jax.random.normal(kk, (x_shape[-1], out)) / x_shape[-1] ** 0.5).astype(dtype)
-  bias = jax.random.normal(kb, (out,)).astype(dtype)
-  g = jax.random.normal(kg, (*x_shape[:-1], out)).astype(dtype)
-  return x, kernel, bias, g
+  x, kernel, bias, g = helpers.numpy_normals(seed, x_shape, (x_shape[-1], out), (out,),
+                                             (*x_shape[:-1], out))
+  return helpers.to_jax(dtype, x, kernel / np.float32(x_shape[-1] ** 0.5), bias, g)
 
 
 def _torch_dense(x, kernel, bias):
@@ -61,8 +58,8 @@ def test_low_precision_within_twice_torch_error(dtype):
 def test_rows_product_in_both_layouts(monkeypatch, min_macs):
   """a^T @ b is the same whether it goes through a's transposed copy or not."""
   monkeypatch.setattr(linear_ops, "_TRANSPOSE_MIN_MACS", min_macs)
-  a = jax.random.normal(jax.random.key(1), (300, 50))  # narrower than b: the copy applies
-  b = jax.random.normal(jax.random.key(2), (300, 70))
+  a = helpers.normal(1, (300, 50))  # narrower than b: the copy applies
+  b = helpers.normal(2, (300, 70))
   got = jax.jit(lambda a, b: linear_ops._rows_product(a, b, jnp.float32,
                                                       jax.lax.Precision.HIGHEST))(a, b)
   want = np.asarray(a, np.float64).T @ np.asarray(b, np.float64)

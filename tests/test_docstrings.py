@@ -4,6 +4,7 @@ import doctest
 import importlib
 import pkgutil
 
+import jax
 import pytest
 
 import jaxfuse
@@ -16,8 +17,20 @@ def _modules():
   return sorted(n for n in names if ".kernels.triton" not in n)
 
 
+@pytest.fixture
+def fast_compiles():
+  """The examples compile many small programs and run each once: XLA skips most of its
+  optimizations meanwhile, which changes how fast they run, not what they compute."""
+  before = jax.config.read("jax_disable_most_optimizations")
+  jax.config.update("jax_disable_most_optimizations", True)
+  try:
+    yield
+  finally:
+    jax.config.update("jax_disable_most_optimizations", before)
+
+
 @pytest.mark.parametrize("name", _modules())
-def test_docstring_examples(name):
+def test_docstring_examples(name, fast_compiles):
   module = importlib.import_module(name)
   result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE | doctest.ELLIPSIS)
   assert result.failed == 0, f"{result.failed} docstring example(s) failed in {name}"

@@ -60,9 +60,7 @@ def _torch_value_and_grads(model, x, g):
 
 
 def _inputs(dtype, seed=0, shape=(3, 37)):
-  kx, kg = jax.random.split(jax.random.key(seed))
-  return (jax.random.normal(kx, (*shape, D)).astype(dtype),
-          jax.random.normal(kg, (*shape, D)).astype(dtype))
+  return helpers.normals(seed, (*shape, D), (*shape, D), dtype=dtype)
 
 
 def _assert_grads(grads, torch_model, names, assert_fn):
@@ -172,9 +170,7 @@ def _plain_gated_block(x, wg, wu, wd):
 
 def test_gated_mlp_keeps_at_most_half_of_the_plain_block():
   x, _ = _inputs(jnp.float32, shape=(256,))
-  ks = jax.random.split(jax.random.key(5), 3)
-  wg, wu = (jax.random.normal(k, (D, 4 * D)) for k in ks[:2])
-  wd = jax.random.normal(ks[2], (4 * D, D))
+  wg, wu, wd = helpers.normals(5, (D, 4 * D), (D, 4 * D), (4 * D, D))
   plain = residual_bytes(lambda *a: jnp.sum(_plain_gated_block(*a)), x, wg, wu, wd)
   for recompute, hidden_arrays in (("activation", 2), ("block", 0), (None, 3)):
     ours = residual_bytes(lambda *a: jnp.sum(blocks.gated_mlp(*a, recompute=recompute)),
@@ -199,9 +195,7 @@ def test_gated_mlp_kernel_launches():
   hidden activation's recomputation for the down projection's weight gradient) and once with
   recompute=None, which keeps the hidden activation instead."""
   x, _ = _inputs(jnp.float32, shape=(37,))
-  ks = jax.random.split(jax.random.key(7), 3)
-  wg, wu = (jax.random.normal(k, (D, H)) for k in ks[:2])
-  wd = jax.random.normal(ks[2], (H, D))
+  wg, wu, wd = helpers.normals(7, (D, H), (D, H), (H, D))
   for recompute, fwd in (("activation", 2), (None, 1)):
     step = jax.value_and_grad(lambda *a: jnp.sum(blocks.gated_mlp(
         *a, recompute=recompute, implementation="pallas")), argnums=(0, 1, 2, 3))

@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 import torch
 
@@ -15,12 +16,9 @@ SHAPES = [((64, 32), 48), ((5, 37, 123), 77), ((1, 3), 1)]
 
 
 def _inputs(x_shape, out, dtype, seed=0):
-  kx, kw, kb, kg = jax.random.split(jax.random.key(seed), 4)
-  x = jax.random.normal(kx, x_shape).astype(dtype)
-  w = (jax.random.normal(kw, (out, x_shape[-1])) / x_shape[-1] ** 0.5).astype(dtype)
-  b = jax.random.normal(kb, (out,)).astype(dtype)
-  g = jax.random.normal(kg, (*x_shape[:-1], out)).astype(dtype)
-  return x, w, b, g
+  x, w, b, g = helpers.numpy_normals(seed, x_shape, (out, x_shape[-1]), (out,),
+                                     (*x_shape[:-1], out))
+  return helpers.to_jax(dtype, x, w / np.float32(x_shape[-1] ** 0.5), b, g)
 
 
 def _jax(x, w, b, g, impl):

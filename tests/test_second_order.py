@@ -20,7 +20,7 @@ from tests.torch_ref import mlp as mlp_ref
 
 
 def _normal(shape, seed, scale=1.0):
-  return scale * jax.random.normal(jax.random.key(seed), shape, jnp.float32)
+  return helpers.normal(seed, shape, scale=scale)
 
 
 def _math_attention(q, k, v):

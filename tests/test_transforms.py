@@ -10,7 +10,7 @@ from tests import helpers
 
 
 def _normal(shape, seed):
-  return jax.random.normal(jax.random.key(seed), shape)
+  return helpers.normal(seed, shape)
 
 
 # (op on one example, its example arguments); the mapped axis is added in front.
@@ -44,9 +44,10 @@ def test_vmap_of_value_and_grad_equals_a_loop(name):
   fn, shapes = CASES[name]
   args = _args(shapes, 3)
   step = jax.value_and_grad(_loss(fn), argnums=tuple(range(len(args))))
-  mapped = jax.jit(jax.vmap(step))(*args)
+  mapped = jax.jit(jax.vmap(step), compiler_options=helpers.FAST_COMPILE)(*args)
+  one_step = jax.jit(step, compiler_options=helpers.FAST_COMPILE)
   for i in range(3):
-    one = jax.jit(step)(*[a[i] for a in args])
+    one = one_step(*[a[i] for a in args])
     for got, want in zip(jax.tree.leaves(mapped), jax.tree.leaves(one)):
       helpers.assert_close(got[i], want, what=f"{name} example {i}")
 
@@ -67,7 +68,9 @@ def test_scan_over_stacked_arguments_and_remat(name):
     return sum(_loss(fn)(*[a[i] for a in args]) for i in range(3))
 
   argnums = tuple(range(len(args)))
-  got = jax.jit(jax.value_and_grad(scanned, argnums=argnums))(*args)
-  want = jax.jit(jax.value_and_grad(looped, argnums=argnums))(*args)
+  got = jax.jit(jax.value_and_grad(scanned, argnums=argnums),
+                compiler_options=helpers.FAST_COMPILE)(*args)
+  want = jax.jit(jax.value_and_grad(looped, argnums=argnums),
+                 compiler_options=helpers.FAST_COMPILE)(*args)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     helpers.assert_close(a, b, what=name)

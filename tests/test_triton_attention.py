@@ -189,12 +189,8 @@ def triton_runs_here(monkeypatch):
 
 
 def _inputs(b, tq, tk, hq, hkv, d, seed=0, dtype=jnp.float32):
-  ks = jax.random.split(jax.random.key(seed), 4)
-  q = jax.random.normal(ks[0], (b, tq, hq, d)).astype(dtype)
-  k = jax.random.normal(ks[1], (b, tk, hkv, d)).astype(dtype)
-  v = jax.random.normal(ks[2], (b, tk, hkv, d)).astype(dtype)
-  g = jax.random.normal(ks[3], (b, tq, hq, d)).astype(dtype)
-  return q, k, v, g
+  return helpers.normals(seed, (b, tq, hq, d), (b, tk, hkv, d), (b, tk, hkv, d), (b, tq, hq, d),
+                         dtype=dtype)
 
 
 def _torch_attention(q, k, v, bias=None, *, causal=None, window=None, softcap=None,
@@ -271,8 +267,8 @@ BACKWARD = ["attention_fwd_res_kernel", "attention_bwd_dq_kernel", "attention_bw
 
 def _segments(b, t, seed, count=3):
   """Sorted random segment ids ``[b, t]`` (packed sequences)."""
-  ids = jax.random.randint(jax.random.key(seed), (b, t), 0, count)
-  return jnp.sort(ids, axis=1).astype(jnp.int32)
+  ids = np.random.default_rng(seed).integers(0, count, (b, t))
+  return jnp.asarray(np.sort(ids, axis=1).astype(np.int32))
 
 
 # (name, (batch, tq, tk, hq, hkv, d), masks, bias shape or None); two batch elements where
@@ -321,7 +317,7 @@ def _case(shape, masks, bias_shape, dtype, seed):
   q, k, v, g = _inputs(b, tq, tk, hq, hkv, d, seed=seed, dtype=dtype)
   bias = None
   if bias_shape is not None:
-    bias = jax.random.normal(jax.random.key(seed + 7), bias_shape).astype(dtype)
+    bias = helpers.normal(seed + 7, bias_shape, dtype)
   return (q, k, v, g, bias), _case_masks(masks, b, tq, tk, seed)
 
 
@@ -403,7 +399,7 @@ def test_the_op_runs_the_triton_kernels_under_jit(interpreted, triton_runs_here,
   """attention(..., implementation="triton") through its custom_vjp, under jit, each kernel
   through base.kernel_call, against torch in float64."""
   q, k, v, g = _inputs(2, 29, 45, 4, 2, 40, seed=11)
-  bias = jax.random.normal(jax.random.key(12), (1, 4, 29, 45))
+  bias = helpers.normal(12, (1, 4, 29, 45))
   kv_lengths = jnp.array([45, 31], jnp.int32)
   kw = dict(causal="bottom_right", sliding_window=12, logit_softcap=4.0, kv_lengths=kv_lengths)
   got = helpers.jax_value_and_grads(
@@ -492,7 +488,7 @@ def test_forward_without_options_passes_q_for_them(recording):
                                         (1, 1, 37, 45)], ids=str)
 def test_backward_launch_plumbing(bias_shape, recording):
   q, k, v, g = _inputs(2, 37, 45, 4, 2, 40, seed=1)
-  o = jax.random.normal(jax.random.key(5), q.shape)
+  o = helpers.normal(5, q.shape)
   lse = jnp.zeros((2, 4, 37), jnp.float32)
   bias = jnp.zeros(bias_shape, jnp.bfloat16)
   blocks = BlockSizes(16, 32, 32, 16, 16, 32, num_warps=8, num_stages=3, num_warps_bwd=2,

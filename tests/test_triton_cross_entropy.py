@@ -58,13 +58,12 @@ IGNORE = -100
 
 
 def _inputs(n, v, d, *, seed=0, dtype=jnp.float32, bias=False, ignored=3):
-  ks = jax.random.split(jax.random.key(seed), 4)
-  h = jax.random.normal(ks[0], (n, d)).astype(dtype)
-  w = (0.3 * jax.random.normal(ks[1], (v, d))).astype(dtype)
-  b = (0.5 * jax.random.normal(ks[2], (v,))).astype(dtype) if bias else None
-  y = jax.random.randint(ks[3], (n,), 0, v).astype(jnp.int32)
-  y = y.at[:ignored].set(IGNORE)  # ignored labels
-  return h, w, b, y
+  rng = np.random.default_rng(seed)
+  h, w, b = (rng.standard_normal(shape, dtype=np.float32) for shape in ((n, d), (v, d), (v,)))
+  h, w, b = helpers.to_jax(dtype, h, 0.3 * w, 0.5 * b)
+  y = rng.integers(0, v, (n,)).astype(np.int32)
+  y[:ignored] = IGNORE  # ignored labels
+  return h, w, b if bias else None, jnp.asarray(y)
 
 
 def _coefficients(y, v, g, smoothing):
@@ -126,7 +125,7 @@ CASES = [
 def test_fp32_matches_torch_float64(name, shape, bias, softcap, smoothing, interpreted):
   n, v, d = shape
   h, w, b, y = _inputs(n, v, d, seed=len(name), bias=bias, ignored=min(n - 1, 3))
-  g = jax.random.uniform(jax.random.key(7), (n,)) + 0.5
+  g = jnp.asarray(np.random.default_rng(7).random(n, dtype=np.float32) + 0.5)
   (lse, target, total, argmax), dz = _kernels(h, w, b, y, g, softcap=softcap,
                                               smoothing=smoothing)
   (lse_t, target_t, total_t, argmax_t), dz_t = _torch_stats_and_grad(
@@ -145,7 +144,7 @@ def test_low_precision_within_twice_torch_error(dtype, interpreted):
   dtype) against float64, within twice the error of torch computing in that dtype."""
   n, v, d, softcap, smoothing = 37, 300, 40, 3.0, 0.1
   h, w, b, y = _inputs(n, v, d, seed=1, dtype=dtype, bias=True)
-  g = (jax.random.uniform(jax.random.key(7), (n,)) + 0.5).astype(jnp.float32)
+  g = jnp.asarray(np.random.default_rng(7).random(n, dtype=np.float32) + 0.5)
   (lse, target, total, _), dz = _kernels(h, w, b, y, g, softcap=softcap, smoothing=smoothing)
   exact = _torch_stats_and_grad(h, w, b, y, g, softcap=softcap, smoothing=smoothing)
   low = _torch_stats_and_grad(h, w, b, y, g, softcap=softcap, smoothing=smoothing,

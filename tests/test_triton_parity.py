@@ -21,6 +21,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import jaxfuse
@@ -85,11 +86,11 @@ def test_the_triton_kernels_take_pallas_place_where_pallas_triton_is_deprecated(
 
 
 def _normal(seed, shape, dtype=jnp.float32):
-  return jax.random.normal(jax.random.key(seed), shape, jnp.float32).astype(dtype)
+  return helpers.normal(seed, shape, dtype)
 
 
 def _labels(n, v):
-  return jax.random.randint(jax.random.key(9), (n,), 0, v)
+  return jnp.asarray(np.random.default_rng(9).integers(0, v, (n,)), jnp.int32)
 
 
 # op name -> [(label, impl -> (f, args))]: f of the differentiable args returns arrays.

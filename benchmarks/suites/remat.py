@@ -47,7 +47,6 @@ import time
 from collections.abc import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 

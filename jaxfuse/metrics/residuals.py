@@ -43,10 +43,10 @@ def _memory(aval) -> str:
 def residuals(f, *args, **kwargs) -> list[Residual]:
   """The arrays ``jax.vjp(f, *args)`` keeps for the backward pass, beyond the inputs.
 
-  Each distinct array counts once, however many backward rules use it. Arguments (inputs and
-  parameters passed as arguments), values closed over by ``f``, scalar literals, and views of
-  these (transposes, reshapes, broadcasts, which XLA folds into their users) exist anyway and
-  are left out.
+  Each distinct array counts once, however many backward rules use it (a value and its
+  ``checkpoint_name`` are one array). Arguments (inputs and parameters passed as arguments),
+  values closed over by ``f``, scalar literals, and views of these (transposes, reshapes,
+  broadcasts, which XLA folds into their users) exist anyway and are left out.
   """
   leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
 
@@ -64,11 +64,23 @@ def residuals(f, *args, **kwargs) -> list[Residual]:
     if eqn.primitive.name in _VIEWS and all(
         isinstance(v, jex_core.Literal) or v in existing for v in eqn.invars):
       existing.update(eqn.outvars)
+  # A checkpoint_name is the value it names (no copy): it counts as its operand.
+  alias = {eqn.outvars[0]: eqn.invars[0] for eqn in jaxpr.eqns
+           if eqn.primitive.name == "name" and not isinstance(eqn.invars[0], jex_core.Literal)}
+
+  def root(v):
+    while v in alias:
+      v = alias[v]
+    return v
+
   producers = {v: eqn.primitive.name for eqn in jaxpr.eqns for v in eqn.outvars}
   seen = set()
   out = []
   for v in jaxpr.outvars:
-    if isinstance(v, jex_core.Literal) or v in existing or v in seen:
+    if isinstance(v, jex_core.Literal):
+      continue
+    v = root(v)
+    if v in existing or v in seen:
       continue
     seen.add(v)
     out.append(Residual(tuple(v.aval.shape), jnp.dtype(v.aval.dtype).name, _aval_bytes(v.aval),
