@@ -189,8 +189,10 @@ SUITE_COLUMNS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
                  "note"),
                 ("case", "impl", "dtype", "arch", "regs", "spill", "smem", "blocks/SM", "note")),
     "train-cli": (("case", "impl", "dtype", "final loss", "note"),) * 2,
-    "remat": (("case", "impl", "median ms", "ratio", "residual", "budget", "GFLOP", "note"),
-              ("case", "impl", "median ms", "ratio", "residual", "budget", "GFLOP", "note")),
+    "remat": (("case", "impl", "median ms", "ratio", "residual", "budget", "GFLOP",
+               "max grad err", "note"),
+              ("case", "impl", "median ms", "ratio", "residual", "budget", "GFLOP",
+               "max grad err", "note")),
 }
 
 

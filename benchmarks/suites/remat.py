@@ -30,7 +30,8 @@ Figures: ``residual_bytes`` (JAX: ``jax.vjp`` residuals of the loss with respect
 parameters, device memory; what a recipe offloads to host memory is in the note; torch: the
 tensors autograd saves); ``flops``: FLOPs of ``jax.value_and_grad`` of the loss, the
 recomputation included (:func:`jaxfuse.metrics.flops`, loops counted as they run); the note
-gives the extra FLOPs over ``none`` in forward passes of the loss; ``time_ms``: the jitted
+gives the extra FLOPs over ``none`` in forward passes of the loss; ``max_grad_err``: the
+largest difference of any parameter gradient from ``none``'s; ``time_ms``: the jitted
 ``value_and_grad``, interleaved with the case's other schedules, ``ratio`` to ``none``. On CPUs
 XLA drops the recomputation fences, so the times show what recomputing costs here, not what
 memory it saves. A recipe's note gives what the planner needs at that recipe's bytes (the
@@ -47,6 +48,7 @@ import time
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -68,6 +70,8 @@ RESIDUAL_SOURCE = rec.JAX_RESIDUAL_SOURCE + ", device memory"
 FLOPS_SOURCE = ("FLOPs of jax.value_and_grad of the loss, recomputation included, loops counted "
                 "as they run (jaxfuse.metrics.flops)")
 BUDGET_SOURCE = "the budget given to jaxfuse.remat.plan: a share of schedule=none's bytes"
+GRAD_SOURCE = ("largest |difference| of any parameter gradient from schedule=none's, same "
+               "parameters and batch")
 COMPILE_SOURCE = ("wall time of jax.jit(...).lower(...).compile() of the training step "
                   "(value_and_grad), one compile")
 
@@ -85,12 +89,15 @@ def _decoder(ctx, layers: int, scan: bool = True):
   return model, (tokens, next_token_targets(tokens))
 
 
-def _mlp(ctx, layers: int):
+MLP_FEATURES, MLP_HIDDEN_FACTOR = 256, 3
+
+
+def _mlp(ctx, layers: int, features: int = MLP_FEATURES):
   rows = 256 if ctx.quick else 1024
-  x = jax.random.normal(jax.random.key(SEED), (rows, 256))
-  y = jax.random.normal(jax.random.key(SEED + 1), (rows, 256))
-  model = MLPStack(256, 768, num_layers=layers, scan_layers=True, implementation="xla",
-                   rngs=nnx.Rngs(SEED))
+  x = jax.random.normal(jax.random.key(SEED), (rows, features))
+  y = jax.random.normal(jax.random.key(SEED + 1), (rows, features))
+  model = MLPStack(features, MLP_HIDDEN_FACTOR * features, num_layers=layers, scan_layers=True,
+                   implementation="xla", rngs=nnx.Rngs(SEED))
   return model, (x, y)
 
 
@@ -167,6 +174,7 @@ def _jax_rows(ctx, model_name: str, layers: int) -> list[Record]:
   ctx.step(f"{model_name} L={layers}: timing")
   times = ctx.time(steps)
   none = rows["none"]
+  grads = {name: row["step"](row["params"])[1] for name, row in rows.items()}
   records = []
   for name, row in rows.items():
     r = Record(suite=SUITE, case=_case(model_name, layers, name), impl=IMPL,
@@ -177,6 +185,8 @@ def _jax_rows(ctx, model_name: str, layers: int) -> list[Record]:
     r.set("ratio", times[name]["median"] / times["none"]["median"],
           "median time over schedule=none's in the same interleaved rounds")
     r.ratio_to = "schedule=none"
+    r.set("max_grad_err", _max_abs_diff(grads[name], grads["none"]), GRAD_SOURCE)
+    r.reference = "schedule=none"
     extra = (row["flops"] - none["flops"]) / forward_flops
     r.add_note(f"{row['residual'] / none['residual']:.3f}× none's bytes; "
                f"{extra:+.2f} forward passes of FLOPs")
@@ -200,6 +210,11 @@ def _jax_rows(ctx, model_name: str, layers: int) -> list[Record]:
       r.add_note(f"forward pass {forward_flops / 1e9:.4g} GFLOP")
     records.append(r)
   return records
+
+
+def _max_abs_diff(a, b) -> float:
+  return max(float(jnp.max(jnp.abs(x - y))) for x, y in zip(jax.tree_util.tree_leaves(a),
+                                                           jax.tree_util.tree_leaves(b)))
 
 
 def _choices_text(plan: remat.Plan) -> str:
@@ -234,16 +249,16 @@ def _torch_decoder(layers: int, checkpointing: bool):
 class _TorchMLPStack:
   """The torch twin of :class:`MLPStack`: ``h + down(silu(gate(n)) * up(n))``, n = RMSNorm(h)."""
 
-  def __init__(self, layers: int):
+  def __init__(self, layers: int, features: int, hidden: int):
     import torch
 
     torch.manual_seed(SEED)
     self.blocks = torch.nn.ModuleList([torch.nn.ModuleDict({
-        "norm": torch.nn.RMSNorm(256, eps=1e-6),
-        "gate": torch.nn.Linear(256, 768, bias=False),
-        "up": torch.nn.Linear(256, 768, bias=False),
-        "down": torch.nn.Linear(768, 256, bias=False)}) for _ in range(layers)])
-    self.norm = torch.nn.RMSNorm(256, eps=1e-6)
+        "norm": torch.nn.RMSNorm(features, eps=1e-6),
+        "gate": torch.nn.Linear(features, hidden, bias=False),
+        "up": torch.nn.Linear(features, hidden, bias=False),
+        "down": torch.nn.Linear(hidden, features, bias=False)}) for _ in range(layers)])
+    self.norm = torch.nn.RMSNorm(features, eps=1e-6)
 
   @staticmethod
   def block(m, h):
@@ -288,7 +303,8 @@ def _torch_rows(ctx, model_name: str, layers: int, jax_batch) -> list[Record]:
       params = list(model.parameters())
       inputs = [tokens]
     else:
-      twin = _TorchMLPStack(layers)
+      features = jax_batch[0].shape[-1]
+      twin = _TorchMLPStack(layers, features, MLP_HIDDEN_FACTOR * features)
       x = torch.from_numpy(np.array(jax_batch[0]))
       y = torch.from_numpy(np.array(jax_batch[1]))
 
