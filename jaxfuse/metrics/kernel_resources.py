@@ -584,7 +584,7 @@ def _compile(source: KernelSource, target: Arch):
       src = ASTSource(source.fn, signature=signature, constexprs=dict(source.constexprs),
                       attrs=attrs)
     stack.enter_context(triton.knobs.nvidia.scope())
-    if hasattr(type(triton.knobs.nvidia), "dump_ptxas_log"):  # else ptxas runs again below
+    if hasattr(triton.knobs.nvidia, "dump_ptxas_log"):  # else ptxas runs again below
       triton.knobs.nvidia.dump_ptxas_log = True
     stack.enter_context(contextlib.redirect_stdout(log))
     compiled = triton.compile(src, target=gpu, options=options)
