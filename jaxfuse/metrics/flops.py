@@ -25,19 +25,18 @@ import jax.numpy as jnp
 from jax import lax
 from jax.extend import core as jex_core
 
+# Data movement, casts, names and sharding annotations: no arithmetic.
 _FREE = frozenset({
     "reshape", "broadcast_in_dim", "transpose", "squeeze", "expand_dims", "slice",
     "dynamic_slice", "dynamic_update_slice", "concatenate", "pad", "gather", "rev", "iota",
     "convert_element_type", "bitcast_convert_type", "copy", "copy_p", "device_put", "name",
-    "stop_gradient", "select_and_gather_add", "reduce_precision", "optimization_barrier",
-    "random_bits", "random_seed", "random_wrap", "random_unwrap", "threefry2x32", "sharding_constraint",
-    "mesh_cast", "reshard", "split", "empty", "zeros_like", "broadcast", "tie_in", "pvary",
-    "axis_index", "with_sharding_constraint",
+    "stop_gradient", "reduce_precision", "optimization_barrier", "random_wrap",
+    "random_unwrap", "sharding_constraint", "mesh_cast", "reshard", "split", "pvary",
+    "axis_index",
 })
 _REDUCTIONS = frozenset({
     "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
     "reduce_xor", "argmax", "argmin", "cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp",
-    "reduce_precision_sum",
 })
 _SUBJAXPR_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 # Primitives with bodies that run as they are when their count is known without running.

@@ -62,11 +62,11 @@ def segment_size(num_layers: int, segments: str | int | None) -> int | None:
   raise ValueError(f"segments must be None, 'sqrt' or a positive int, got {segments!r}")
 
 
-def _runs(policies: Sequence) -> list[tuple[int, int]]:
-  """``[(start, stop)]`` of consecutive layers with equal policies."""
+def equal_runs(items: Sequence) -> list[tuple[int, int]]:
+  """``[(start, stop)]`` of consecutive equal items (layers with equal policies or costs)."""
   runs, start = [], 0
-  for i in range(1, len(policies) + 1):
-    if i == len(policies) or policies[i] != policies[start]:
+  for i in range(1, len(items) + 1):
+    if i == len(items) or items[i] != items[start]:
       runs.append((start, i))
       start = i
   return runs
@@ -151,7 +151,7 @@ def _apply_scanned(step, layers, carry, policies, segments):
   def run(carry, states, a, b):
     """Layers [a, b) of ``states``, one scan per run of equal policies."""
     n = jax.tree_util.tree_leaves(states)[0].shape[0]
-    for lo, hi in _runs(policies[a:b]):
+    for lo, hi in equal_runs(policies[a:b]):
       policy = policies[a + lo]
       if lo == 0 and hi == n and a == 0:
         carry = scan_all(carry, states, policy)

@@ -52,6 +52,7 @@ from jaxfuse.metrics.flops import flops as count_flops
 from jaxfuse.metrics.residuals import residuals
 from jaxfuse.metrics.timing import time_fn
 from jaxfuse.ops import names as n
+from jaxfuse.remat.layers import equal_runs
 from jaxfuse.remat.policies import PRESETS, RECIPES, freeze_policy, resolve_policy
 
 # Choices that are not presets or recipes: groups of names worth keeping on their own.
@@ -147,7 +148,7 @@ class Profile:
     lines = [f"step without recomputation: {_mib(self.no_remat_bytes)} residual, "
              f"{_gflop(self.no_remat_flops)}; outside the layers: {_mib(self.base_bytes)}, "
              f"{_gflop(self.base_flops)}"]
-    groups = _identical_runs(self.layers)
+    groups = equal_runs(self.layers)
     for a, b in groups:
       costs = self.layers[a]
       label = f"layer {a}" if b == a + 1 else f"layers {a}-{b - 1} (each)"
@@ -174,15 +175,6 @@ def _mib(b: int) -> str:
 
 def _gflop(f: int) -> str:
   return f"{f / 1e9:.4g} GFLOP"
-
-
-def _identical_runs(layers) -> list[tuple[int, int]]:
-  runs, start = [], 0
-  for i in range(1, len(layers) + 1):
-    if i == len(layers) or layers[i] != layers[start]:
-      runs.append((start, i))
-      start = i
-  return runs
 
 
 def _device_and_host(f, *args) -> tuple[int, int]:
@@ -324,7 +316,7 @@ class Plan:
     lines = [f"plan for a budget of {_mib(self.budget_bytes)} "
              f"({self.budget_bytes / self.no_remat_bytes:.0%} of {_mib(self.no_remat_bytes)} "
              f"without recomputation; the least any plan keeps is {_mib(self.min_bytes)}):"]
-    for a, b in _identical_runs(list(self.choices)):
+    for a, b in equal_runs(list(self.choices)):
       label = f"layer {a}" if b == a + 1 else f"layers {a}-{b - 1}"
       lines.append(f"  {label:14s} {self.choices[a]}")
     measured = ("" if self.measured_bytes is None
