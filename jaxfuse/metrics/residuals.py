@@ -48,6 +48,11 @@ def residuals(f, *args, **kwargs) -> list[Residual]:
   values closed over by ``f``, scalar literals, and views of these (transposes, reshapes,
   broadcasts, which XLA folds into their users) exist anyway and are left out.
   """
+  return [r for _, r in _counted(f, args, kwargs)[2]]
+
+
+def _flat_vjp(f, args, kwargs):
+  """``(leaves, g)``: the flat arguments and a function of them returning the vjp's leaves."""
   leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
 
   def flat_vjp(*flat):
@@ -55,6 +60,12 @@ def residuals(f, *args, **kwargs) -> list[Residual]:
     _, vjp_fn = jax.vjp(lambda *p: f(*p, **k), *a)
     return jax.tree_util.tree_leaves(vjp_fn)
 
+  return leaves, flat_vjp
+
+
+def _counted(f, args, kwargs):
+  """``(leaves, flat_vjp, [(index of the vjp leaf, Residual)])`` for :func:`residuals`."""
+  leaves, flat_vjp = _flat_vjp(f, args, kwargs)
   closed = jax.make_jaxpr(flat_vjp)(*leaves)
   jaxpr = closed.jaxpr
   existing = set(jaxpr.invars) | set(jaxpr.constvars)
@@ -76,16 +87,38 @@ def residuals(f, *args, **kwargs) -> list[Residual]:
   producers = {v: eqn.primitive.name for eqn in jaxpr.eqns for v in eqn.outvars}
   seen = set()
   out = []
-  for v in jaxpr.outvars:
+  for i, v in enumerate(jaxpr.outvars):
     if isinstance(v, jex_core.Literal):
       continue
     v = root(v)
     if v in existing or v in seen:
       continue
     seen.add(v)
-    out.append(Residual(tuple(v.aval.shape), jnp.dtype(v.aval.dtype).name, _aval_bytes(v.aval),
-                        producers.get(v, "?"), _memory(v.aval)))
-  return out
+    out.append((i, Residual(tuple(v.aval.shape), jnp.dtype(v.aval.dtype).name,
+                            _aval_bytes(v.aval), producers.get(v, "?"), _memory(v.aval))))
+  return leaves, flat_vjp, out
+
+
+def per_device_residual_bytes(f, *args, **kwargs) -> int:
+  """:func:`residual_bytes` on one device when ``args`` are sharded over a mesh: each residual
+  counted at the size of its shard, as the compiled (jitted) forward pass lays it out. Call it
+  under the mesh (``jax.set_mesh``) the arguments are placed on; the largest shard counts.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jaxfuse.metrics import per_device_residual_bytes
+    >>> per_device_residual_bytes(lambda x: jnp.sum(jnp.sin(x)), jnp.ones(1024))  # one device
+    4096
+  """
+  leaves, flat_vjp, counted = _counted(f, args, kwargs)
+  shardings = jax.jit(flat_vjp).lower(*leaves).compile().output_shardings
+  total = 0
+  for i, r in counted:
+    if r.memory != "device":
+      continue
+    shard = shardings[i].shard_shape(r.shape)
+    total += math.prod(shard) * jnp.dtype(r.dtype).itemsize
+  return total
 
 
 def residual_bytes(f, *args, **kwargs) -> int:

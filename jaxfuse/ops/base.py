@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 
-from jaxfuse.ops import dispatch
+from jaxfuse.ops import dispatch, partitioning
 
 # The order ``implementation=None`` tries on a GPU, by kind of op (the one rule every op follows;
 # nothing here has been timed on a GPU yet, so it is a rule of reasoning, not of measurement):
@@ -106,8 +106,10 @@ def compute_dtype(dtype) -> jnp.dtype:
   return jnp.promote_types(dtype, jnp.float32)
 
 
-def kernel_call(kernel: Callable, twin: Callable, *args):
-  """``kernel(*args)``, differentiable as ``twin``, a jnp computation of the same function.
+def kernel_call(kernel: Callable, twin: Callable, *args, rule=None):
+  """``kernel(*args)``, differentiable as ``twin``, a jnp computation of the same function,
+  partitioned over a device mesh as ``rule`` (a :class:`jaxfuse.ops.partitioning.Rule`)
+  declares: without one, XLA gathers the kernel's inputs onto every device.
 
   First-order gradients of an op never differentiate its kernels: the op's custom_vjp calls a
   backward kernel instead. Second-order gradients (``grad`` of ``grad``, Hessian-vector
@@ -126,7 +128,9 @@ def kernel_call(kernel: Callable, twin: Callable, *args):
 
   @jax.custom_jvp
   def call(*args):
-    return kernel(*args)
+    if rule is None:
+      return kernel(*args)
+    return partitioning.partitioned_call(kernel, rule, *args)
 
   @call.defjvp
   def call_jvp(primals, tangents):

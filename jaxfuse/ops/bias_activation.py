@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxfuse.kernels.pallas import bias_activation as pallas_bias_activation
-from jaxfuse.ops import activation_grads, activations, base, checks
+from jaxfuse.ops import activation_grads, activations, base, checks, partitioning
 
 BIAS_ACT = base.Op("bias_act", ("pallas", "triton", "xla"), base.ELEMENTWISE_GPU_ORDER)
 BIAS_ACT_ACTIVATIONS = ("gelu", "gelu_tanh", "silu", "relu", "squared_relu")
@@ -132,11 +132,18 @@ def _kernels(cfg):
   return forward, backward
 
 
+# The kernels are elementwise over the rows and features; the bias's gradient is summed over the
+# rows.
+_R, _F = partitioning.ROWS, partitioning.FEATURES
+_FORWARD_RULE = partitioning.rows_rule((_R, _F), (_R,), split_features=True)
+_BACKWARD_RULE = partitioning.rows_rule((_R, _F, _R), (_R, _F), split_features=True)
+
+
 def _forward(x, bias, cfg):
   if cfg.impl in ("pallas", "triton"):
     kernel, _ = _kernels(cfg)
     twin = functools.partial(_xla_forward, fn=cfg.fn)
-    return base.kernel_call(kernel, twin, _rows(x), bias).reshape(x.shape)
+    return base.kernel_call(kernel, twin, _rows(x), bias, rule=_FORWARD_RULE).reshape(x.shape)
   return _xla_forward(x, bias, cfg.fn)
 
 
@@ -144,7 +151,7 @@ def _backward(x, bias, g, cfg):
   if cfg.impl in ("pallas", "triton"):
     _, kernel = _kernels(cfg)
     twin = functools.partial(_xla_backward, fn=cfg.fn)
-    dx, dbias = base.kernel_call(kernel, twin, _rows(x), bias, _rows(g))
+    dx, dbias = base.kernel_call(kernel, twin, _rows(x), bias, _rows(g), rule=_BACKWARD_RULE)
     return dx.reshape(x.shape), dbias
   # The barrier keeps XLA from sharing the activation's intermediates with the forward pass
   # (which would write them to memory and read them back): the backward is one fused loop over
@@ -156,6 +163,7 @@ def _backward(x, bias, g, cfg):
 # The custom VJP ---------------------------------------------------------------------------------
 
 
+@partitioning.matching_vma
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _bias_act(x, bias, cfg):
   return _forward(x, bias, cfg)

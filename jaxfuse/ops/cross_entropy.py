@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxfuse.ops import activations, base, checks
+from jaxfuse.ops import activations, base, checks, partitioning
 
 LINEAR_CROSS_ENTROPY = base.Op("linear_cross_entropy", ("pallas", "triton", "xla"))
 
@@ -402,21 +402,62 @@ def _xla_logit_grad(h, weight, bias, labels, lse, a, b, c, *, cfg):
 # Forward and backward --------------------------------------------------------------------------
 
 
+def _rule(cfg, kind: str) -> partitioning.Rule:
+  """How the chunked loss partitions: over the tokens, and over the vocabulary (the weight
+  split Megatron-style): each device's logsumexp, target logit and logit sum are combined with
+  collectives over ``[tokens]`` vectors, never over logits. The hidden size stays whole, and
+  so does the vocabulary where the argmax (accuracy) or the gradients in the forward need it.
+  """
+  rows, vec = ("n", "d"), ("n",)
+  whole = ("d", "v") if cfg.accuracy or kind == "grad_in_forward" else ("d",)
+  if kind == "stats":
+    return partitioning.Rule((rows, ("v", "d"), ("v",), vec), (vec,) * 4, whole=whole,
+                             own=("v",))
+  if kind == "backward":
+    return partitioning.Rule((rows, ("v", "d"), ("v",)) + (vec,) * 5,
+                             (rows, ("v", "d"), ("v",)), whole=whole, told=("v",))
+  return partitioning.Rule((rows, ("v", "d"), ("v",), vec, vec),
+                           ((), vec, vec, (), rows, ("v", "d"), ("v",)), whole=whole)
+
+
+def _vocab_shard(cfg, weight, labels, vocab_axes):
+  """This device's vocabulary slice: its config (``vocab``: the slice's size) and the labels
+  relative to it (labels of other slices fall outside ``[0, slice)`` and gather nothing)."""
+  local = weight.shape[0]
+  offset = lax.axis_index(vocab_axes) * local
+  return dataclasses.replace(cfg, vocab=local), labels - offset
+
+
 def _stats(h, weight, bias, labels, cfg):
   """``(lse, target, sum, argmax)`` per token (float32, and int32 for the argmax)."""
+  twin = functools.partial(_xla_stats, cfg=cfg, every=cfg.impl != "xla")
+  kernel = functools.partial(_stats_shard, cfg=cfg)
+  return base.kernel_call(kernel, twin, h, weight, bias, labels, rule=_rule(cfg, "stats"))
+
+
+def _stats_shard(h, weight, bias, labels, *, cfg, axes):
+  """:func:`_stats` of one device's tokens and vocabulary slice, combined over the slices."""
+  vocab_axes = axes["v"]
+  if vocab_axes:
+    cfg, labels = _vocab_shard(cfg, weight, labels, vocab_axes)
+  lse, target, sumz, amax = _stats_kernel(h, weight, bias, labels, cfg)
+  if vocab_axes:
+    m = lax.pmax(lse, vocab_axes)
+    lse = m + jnp.log(lax.psum(jnp.exp(lse - m), vocab_axes))
+    target, sumz = lax.psum(target, vocab_axes), lax.psum(sumz, vocab_axes)
+  return lse, target, sumz, amax
+
+
+def _stats_kernel(h, weight, bias, labels, cfg):
   if cfg.impl == "pallas":
     from jaxfuse.kernels.pallas import cross_entropy as kernels
 
-    kernel = functools.partial(kernels.stats_forward, softcap=cfg.softcap,
-                               interpret=cfg.interpret)
-    twin = functools.partial(_xla_stats, cfg=cfg, every=True)
-    return base.kernel_call(kernel, twin, h, weight, bias, labels)
+    return kernels.stats_forward(h, weight, bias, labels, softcap=cfg.softcap,
+                                 interpret=cfg.interpret)
   if cfg.impl == "triton":
     from jaxfuse.kernels.triton import cross_entropy as triton_kernels
 
-    kernel = functools.partial(triton_kernels.stats_forward, softcap=cfg.softcap)
-    twin = functools.partial(_xla_stats, cfg=cfg, every=True)
-    return base.kernel_call(kernel, twin, h, weight, bias, labels)
+    return triton_kernels.stats_forward(h, weight, bias, labels, softcap=cfg.softcap)
   return _xla_stats(h, weight, bias, labels, cfg=cfg)
 
 
@@ -455,6 +496,17 @@ def _per_token(labels, lse, target, sumz, amax, cfg):
 
 def _backward(h, weight, bias, labels, lse, a, b, c, cfg):
   """Recomputes each chunk's logits, forms its logit gradient and multiplies it out."""
+  kernel = functools.partial(_backward_shard, cfg=cfg)
+  twin = functools.partial(_backward_shard, cfg=cfg, axes={"v": ()})
+  return base.kernel_call(kernel, twin, h, weight, bias, labels, lse, a, b, c,
+                          rule=_rule(cfg, "backward"))
+
+
+def _backward_shard(h, weight, bias, labels, lse, a, b, c, *, cfg, axes):
+  """:func:`_backward` on one device's tokens and vocabulary slice: its ``dh`` is a partial
+  sum over the slices, its ``dweight`` one over the tokens (the caller sums them)."""
+  if axes["v"]:
+    cfg, labels = _vocab_shard(cfg, weight, labels, axes["v"])
   n, d = h.shape
   cd = jnp.float32
   mm_dtype = cd if cfg.impl == "xla" else h.dtype
@@ -475,6 +527,7 @@ def _backward(h, weight, bias, labels, lse, a, b, c, cfg):
   xs = (_chunked(h, cfg), _chunked(labels, cfg, cfg.ignore_index), _chunked(lse, cfg),
         _chunked(a, cfg), _chunked(b, cfg), _chunked(c, cfg))
   init = (jnp.zeros(weight.shape, cd), jnp.zeros((cfg.vocab,) if cfg.has_bias else (), cd))
+  init = partitioning.vary_like(init, h, weight, bias, labels, lse, a, b, c)
   (dw, db), dh = lax.scan(step, init, xs)
   dh = dh.reshape(-1, d)[:n]
   db = db.astype(bias.dtype) if cfg.has_bias else None
@@ -484,6 +537,7 @@ def _backward(h, weight, bias, labels, lse, a, b, c, cfg):
 # The custom VJP --------------------------------------------------------------------------------
 
 
+@partitioning.matching_vma
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _lce(h, weight, bias, labels, cfg):
   return _lce_fwd(h, weight, bias, labels, cfg)[0]
@@ -511,12 +565,24 @@ _lce.defvjp(_lce_fwd, _lce_bwd)
 # Gradients in the forward (Liger-Kernel's way) --------------------------------------------------
 
 
+@partitioning.matching_vma
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _lce_grad_in_forward(h, weight, bias, labels, weights, cfg):
   return _gif_fwd(h, weight, bias, labels, weights, cfg)[0]
 
 
 def _gif_fwd(h, weight, bias, labels, weights, cfg):
+  kernel = functools.partial(_gif_shard, cfg=cfg)
+  total, lse, correct, bad, dh, dw, db = base.kernel_call(
+      kernel, kernel, h, weight, bias, labels, weights, rule=_rule(cfg, "grad_in_forward"))
+  out = (total, lax.stop_gradient(lse), correct, bad > 0)
+  # Residuals: the gradients themselves (h's, weight's and bias's size); the backward scales them.
+  return out, (dh, dw, db)
+
+
+def _gif_shard(h, weight, bias, labels, weights, *, cfg):
+  """The loss and its gradients on one device's tokens (partial sums over the tokens for the
+  total, ``dweight`` and ``dbias``); ``bad`` counts NaN losses."""
   n, d = h.shape
   cd = jnp.float32
 
@@ -539,14 +605,13 @@ def _gif_fwd(h, weight, bias, labels, weights, cfg):
 
   init = (jnp.zeros(weight.shape, cd), jnp.zeros((cfg.vocab,) if cfg.has_bias else (), cd),
           jnp.zeros((), cd), jnp.zeros((), bool))
+  init = partitioning.vary_like(init, h, weight, bias, labels, weights)
   xs = (_chunked(h, cfg), _chunked(labels, cfg, cfg.ignore_index), _chunked(weights, cfg))
   (dw, db, total, bad), (dh, lse, correct) = lax.scan(step, init, xs)
   dh = dh.reshape(-1, d)[:n]
   lse, correct = lse.reshape(-1)[:n], correct.reshape(-1)[:n]
   db = db.astype(bias.dtype) if cfg.has_bias else None
-  out = (total, lax.stop_gradient(lse), correct, bad)
-  # Residuals: the gradients themselves (h's, weight's and bias's size); the backward scales them.
-  return out, (dh, dw.astype(weight.dtype), db)
+  return total, lse, correct, bad.astype(cd), dh, dw.astype(weight.dtype), db
 
 
 def _gif_bwd(cfg, residuals, cotangents):

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxfuse.kernels.pallas import elementwise as pallas_elementwise
-from jaxfuse.ops import activation_grads, activations, base, checks
+from jaxfuse.ops import activation_grads, activations, base, checks, partitioning
 
 ADD_ACT = base.Op("add_act", ("pallas", "triton", "xla"), base.ELEMENTWISE_GPU_ORDER)
 ADD_ACT_UNFUSED = base.Op("add_act_unfused", ("pallas", "triton", "xla"),
@@ -97,6 +97,11 @@ def add_act(a: jax.Array, b: jax.Array, fn: str | Callable = "relu", *,
 # Forward and backward ---------------------------------------------------------------------------
 
 
+def _elementwise(operands, x):
+  """The kernels' partitioning: elementwise, every axis may be split."""
+  return partitioning.elementwise_rule(operands, 1, x.ndim)
+
+
 def _xla_forward(a, b, fn):
   cd = base.compute_dtype(a.dtype)
   return activation_grads.value(fn, a.astype(cd) + b.astype(cd)).astype(a.dtype)
@@ -113,12 +118,12 @@ def _forward(a, b, cfg):
   if cfg.impl == "pallas":
     kernel = functools.partial(pallas_elementwise.add_act_forward, fn=cfg.fn,
                                interpret=cfg.interpret)
-    return base.kernel_call(kernel, twin, a, b)
+    return base.kernel_call(kernel, twin, a, b, rule=_elementwise(2, a))
   if cfg.impl == "triton":
     from jaxfuse.kernels.triton import elementwise as triton_elementwise
 
     kernel = functools.partial(triton_elementwise.add_act_forward, act=cfg.name)
-    return base.kernel_call(kernel, twin, a, b)
+    return base.kernel_call(kernel, twin, a, b, rule=_elementwise(2, a))
   return twin(a, b)
 
 
@@ -127,18 +132,19 @@ def _backward(a, b, g, cfg):
   if cfg.impl == "pallas":
     kernel = functools.partial(pallas_elementwise.add_act_backward, fn=cfg.fn,
                                interpret=cfg.interpret)
-    return base.kernel_call(kernel, twin, a, b, g)
+    return base.kernel_call(kernel, twin, a, b, g, rule=_elementwise(3, a))
   if cfg.impl == "triton":
     from jaxfuse.kernels.triton import elementwise as triton_elementwise
 
     kernel = functools.partial(triton_elementwise.add_act_backward, act=cfg.name)
-    return base.kernel_call(kernel, twin, a, b, g)
+    return base.kernel_call(kernel, twin, a, b, g, rule=_elementwise(3, a))
   return twin(a, b, g)
 
 
 # The custom VJP ---------------------------------------------------------------------------------
 
 
+@partitioning.matching_vma
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _add_act(a, b, cfg):
   return _forward(a, b, cfg)
@@ -203,14 +209,16 @@ def _xla_act_backward(c, g, fn):
 def _add_forward(a, b, cfg):
   if cfg.impl == "pallas":
     kernel = functools.partial(pallas_elementwise.add_forward, interpret=cfg.interpret)
-    return base.kernel_call(kernel, _xla_add, a, b)
+    return base.kernel_call(kernel, _xla_add, a, b, rule=_elementwise(2, a))
   if cfg.impl == "triton":
     from jaxfuse.kernels.triton import elementwise as triton_elementwise
 
-    return base.kernel_call(triton_elementwise.add_forward, _xla_add, a, b)
+    return base.kernel_call(triton_elementwise.add_forward, _xla_add, a, b,
+                            rule=_elementwise(2, a))
   return _xla_add(a, b)
 
 
+@partitioning.matching_vma
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _add(a, b, cfg):
   return _add_forward(a, b, cfg)
@@ -233,15 +241,16 @@ def _act_forward(c, cfg):
   if cfg.impl == "pallas":
     kernel = functools.partial(pallas_elementwise.act_forward, fn=cfg.fn,
                                interpret=cfg.interpret)
-    return base.kernel_call(kernel, twin, c)
+    return base.kernel_call(kernel, twin, c, rule=_elementwise(1, c))
   if cfg.impl == "triton":
     from jaxfuse.kernels.triton import elementwise as triton_elementwise
 
     kernel = functools.partial(triton_elementwise.act_forward, act=cfg.name)
-    return base.kernel_call(kernel, twin, c)
+    return base.kernel_call(kernel, twin, c, rule=_elementwise(1, c))
   return twin(c)
 
 
+@partitioning.matching_vma
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def _act(c, cfg):
   return _act_forward(c, cfg)
@@ -257,12 +266,12 @@ def _act_bwd(cfg, c, g):
   if cfg.impl == "pallas":
     kernel = functools.partial(pallas_elementwise.act_backward, fn=cfg.fn,
                                interpret=cfg.interpret)
-    return (base.kernel_call(kernel, twin, c, g),)
+    return (base.kernel_call(kernel, twin, c, g, rule=_elementwise(2, c)),)
   if cfg.impl == "triton":
     from jaxfuse.kernels.triton import elementwise as triton_elementwise
 
     kernel = functools.partial(triton_elementwise.act_backward, act=cfg.name)
-    return (base.kernel_call(kernel, twin, c, g),)
+    return (base.kernel_call(kernel, twin, c, g, rule=_elementwise(2, c)),)
   return (twin(c, g),)
 
 
@@ -301,15 +310,16 @@ def _relu_forward(x, cfg):
   if cfg.impl == "pallas":
     kernel = functools.partial(pallas_elementwise.act_forward, fn=jax.nn.relu,
                                interpret=cfg.interpret)
-    return base.kernel_call(kernel, _xla_relu, x)
+    return base.kernel_call(kernel, _xla_relu, x, rule=_elementwise(1, x))
   if cfg.impl == "triton":
     from jaxfuse.kernels.triton import elementwise as triton_elementwise
 
     kernel = functools.partial(triton_elementwise.act_forward, act="relu")
-    return base.kernel_call(kernel, _xla_relu, x)
+    return base.kernel_call(kernel, _xla_relu, x, rule=_elementwise(1, x))
   return _xla_relu(x)
 
 
+@partitioning.matching_vma
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def _relu(x, cfg):
   return _relu_forward(x, cfg)
@@ -325,12 +335,12 @@ def _relu_bwd(cfg, y, g):
   if cfg.impl == "pallas":
     kernel = functools.partial(pallas_elementwise.relu_backward_from_output,
                                interpret=cfg.interpret)
-    return (base.kernel_call(kernel, _xla_relu_backward, y, g),)
+    return (base.kernel_call(kernel, _xla_relu_backward, y, g, rule=_elementwise(2, y)),)
   if cfg.impl == "triton":
     from jaxfuse.kernels.triton import elementwise as triton_elementwise
 
     return (base.kernel_call(triton_elementwise.relu_backward_from_output, _xla_relu_backward,
-                             y, g),)
+                             y, g, rule=_elementwise(2, y)),)
   return (_xla_relu_backward(y, g),)
 
 

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxfuse.kernels.pallas import gated_linear as pallas_gated_linear
-from jaxfuse.ops import activation_grads, activations, base, checks
+from jaxfuse.ops import activation_grads, activations, base, checks, partitioning
 
 GLU = base.Op("glu", ("pallas", "triton", "xla"), base.ELEMENTWISE_GPU_ORDER)
 
@@ -176,13 +176,20 @@ def _kernels(cfg):
   return forward, backward
 
 
+def _rule(b, results):
+  """The kernels' partitioning: over the rows; the features too when gate and value are two
+  arrays (the kernel is then elementwise), not when they are the halves of one."""
+  r = partitioning.ROWS
+  return partitioning.rows_rule((r, r, r), (r,) * results, split_features=b is not None)
+
+
 def _forward(a, b, cfg):
   if cfg.impl == "xla":
     return _xla_forward(a, b, cfg.fn)
   shape = a.shape[:-1] + ((a.shape[-1] // 2,) if b is None else (a.shape[-1],))
   kernel, _ = _kernels(cfg)
   twin = functools.partial(_xla_forward, fn=cfg.fn)
-  return base.kernel_call(kernel, twin, _rows(a), _rows(b)).reshape(shape)
+  return base.kernel_call(kernel, twin, _rows(a), _rows(b), rule=_rule(b, 1)).reshape(shape)
 
 
 def _backward(a, b, g, cfg):
@@ -190,7 +197,7 @@ def _backward(a, b, g, cfg):
     return _xla_backward(a, b, g, cfg.fn)
   _, kernel = _kernels(cfg)
   twin = functools.partial(_xla_backward, fn=cfg.fn)
-  out = base.kernel_call(kernel, twin, _rows(a), _rows(b), _rows(g))
+  out = base.kernel_call(kernel, twin, _rows(a), _rows(b), _rows(g), rule=_rule(b, 2))
   if b is None:
     return out.reshape(a.shape)
   return out[0].reshape(a.shape), out[1].reshape(b.shape)
@@ -199,6 +206,7 @@ def _backward(a, b, g, cfg):
 # The custom VJPs --------------------------------------------------------------------------------
 
 
+@partitioning.matching_vma
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _glu(a, b, cfg):
   return _forward(a, b, cfg)
@@ -217,6 +225,7 @@ def _glu_bwd(cfg, residuals, g):
 _glu.defvjp(_glu_fwd, _glu_bwd)
 
 
+@partitioning.matching_vma
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def _glu_packed(x, cfg):
   return _forward(x, None, cfg)

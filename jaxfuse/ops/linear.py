@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxfuse.kernels.pallas import linear as pallas_linear
-from jaxfuse.ops import base, checks, dispatch
+from jaxfuse.ops import base, checks, dispatch, partitioning
 
 # Matmuls: XLA (cuBLAS on GPUs) comes first; the Pallas and Triton kernels are there for fusion
 # work and for measurement. dense has no kernel of its own: its products are XLA's.
@@ -137,6 +137,7 @@ def dense_reference(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = No
   return y.astype(x.dtype)
 
 
+@partitioning.matching_vma
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _dense(x, kernel, bias, precision):
   return dense_reference(x, kernel, bias, precision=precision)
@@ -201,6 +202,18 @@ def _xla_backward(x, weight, bias, g):
   return dx, dw, db
 
 
+def _rule(bias, *, backward):
+  """The kernels' partitioning (weight ``[out, in]``): over the rows, the output features
+  (column-parallel) and, without a bias, the input features (row-parallel: the output is
+  summed over them). With a bias the input features stay whole, since the bias and its
+  gradient are not sums over them."""
+  whole = ("k",) if bias is not None else ()
+  x, w, b, y = ("n", "k"), ("m", "k"), ("m",), ("n", "m")
+  if backward:
+    return partitioning.Rule((x, w, b, y), (x, w, b), whole=whole)
+  return partitioning.Rule((x, w, b), (y,), whole=whole)
+
+
 def _forward(x, weight, bias, cfg):
   if cfg.impl == "xla":
     return linear_reference(x, weight, bias)
@@ -211,7 +224,8 @@ def _forward(x, weight, bias, cfg):
   else:
     matmul = functools.partial(pallas_linear.matmul, interpret=cfg.interpret, name="linear_fwd")
     kernel = lambda x2, w, b: matmul(x2, w, bias=b)  # noqa: E731
-  y = base.kernel_call(kernel, linear_reference, x.reshape(-1, x.shape[-1]), weight, bias)
+  y = base.kernel_call(kernel, linear_reference, x.reshape(-1, x.shape[-1]), weight, bias,
+                       rule=_rule(bias, backward=False))
   return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
@@ -237,10 +251,11 @@ def _backward(x, weight, bias, g, cfg):
   else:
     kernel = functools.partial(_pallas_backward, interpret=cfg.interpret)
   dx, dw, db = base.kernel_call(kernel, _xla_backward, x.reshape(-1, x.shape[-1]), weight,
-                                bias, g.reshape(-1, g.shape[-1]))
+                                bias, g.reshape(-1, g.shape[-1]), rule=_rule(bias, backward=True))
   return dx.reshape(x.shape), dw, db
 
 
+@partitioning.matching_vma
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _recompute_linear(x, weight, bias, cfg):
   return _forward(x, weight, bias, cfg)

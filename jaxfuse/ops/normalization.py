@@ -49,7 +49,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxfuse.kernels.pallas import elementwise as pallas_elementwise
 from jaxfuse.kernels.pallas import normalization as pallas_norm
-from jaxfuse.ops import base, checks, names
+from jaxfuse.ops import base, checks, names, partitioning
 
 LAYER_NORM = base.Op("layer_norm", ("pallas", "triton", "xla"))
 RMS_NORM = base.Op("rms_norm", ("pallas", "triton", "xla"))
@@ -358,6 +358,14 @@ def _xla_backward(rows, g, g_sum, scale, mean, rstd, *, has_bias):
 # Forward and backward ---------------------------------------------------------------------------
 
 
+# The kernels split over the rows; the features stay whole; the parameters' gradients are
+# summed over the rows.
+_R, _F, _S = partitioning.ROWS, partitioning.FEATURES, partitioning.ROW_STATS
+_FORWARD_RULE = partitioning.rows_rule((_R, _R, _F, _F), (_R, _R, _S, _S))
+_BACKWARD_RULE = partitioning.rows_rule((_R, _R, _R, _F, _S, _S), (_R, _F, _F))
+_ADD_RULE = partitioning.rows_rule((_R, _R), (_R,), split_features=True)
+
+
 def _forward(x, residual, scale, bias, cfg, *, store_stats):
   """``(y, z, mean, rstd)``: z is None without a residual; the float32 ``(rows, 1)``
   statistics are None unless ``store_stats`` (and the mean for RMSNorm always is)."""
@@ -366,13 +374,13 @@ def _forward(x, residual, scale, bias, cfg, *, store_stats):
   if cfg.impl == "pallas":
     kernel = functools.partial(pallas_norm.forward, eps=cfg.eps, centered=cfg.centered,
                                store_stats=store_stats, interpret=cfg.interpret)
-    return base.kernel_call(kernel, twin, x, residual, scale, bias)
+    return base.kernel_call(kernel, twin, x, residual, scale, bias, rule=_FORWARD_RULE)
   if cfg.impl == "triton":
     from jaxfuse.kernels.triton import normalization as triton_norm
 
     kernel = functools.partial(triton_norm.forward, eps=cfg.eps, centered=cfg.centered,
                                store_stats=store_stats)
-    return base.kernel_call(kernel, twin, x, residual, scale, bias)
+    return base.kernel_call(kernel, twin, x, residual, scale, bias, rule=_FORWARD_RULE)
   return twin(x, residual, scale, bias)
 
 
@@ -382,18 +390,19 @@ def _backward(rows, g, g_sum, scale, bias, mean, rstd, cfg):
   if cfg.impl == "pallas":
     kernel = functools.partial(pallas_norm.backward, has_bias=bias is not None,
                                interpret=cfg.interpret)
-    return base.kernel_call(kernel, twin, rows, g, g_sum, scale, mean, rstd)
+    return base.kernel_call(kernel, twin, rows, g, g_sum, scale, mean, rstd, rule=_BACKWARD_RULE)
   if cfg.impl == "triton":
     from jaxfuse.kernels.triton import normalization as triton_norm
 
     kernel = functools.partial(triton_norm.backward, has_bias=bias is not None)
-    return base.kernel_call(kernel, twin, rows, g, g_sum, scale, mean, rstd)
+    return base.kernel_call(kernel, twin, rows, g, g_sum, scale, mean, rstd, rule=_BACKWARD_RULE)
   return twin(rows, g, g_sum, scale, mean, rstd)
 
 
 # The custom VJP ---------------------------------------------------------------------------------
 
 
+@partitioning.matching_vma
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _normalize(x, residual, scale, bias, cfg):
   y, z, _, _ = _forward(x, residual, scale, bias, cfg, store_stats=False)
@@ -468,14 +477,15 @@ def _xla_add(a, b):
 def _add(a, b, cfg):
   if cfg.impl == "pallas":
     kernel = functools.partial(pallas_elementwise.add_forward, interpret=cfg.interpret)
-    return base.kernel_call(kernel, _xla_add, a, b)
+    return base.kernel_call(kernel, _xla_add, a, b, rule=_ADD_RULE)
   if cfg.impl == "triton":
     from jaxfuse.kernels.triton import elementwise as triton_elementwise
 
-    return base.kernel_call(triton_elementwise.add_forward, _xla_add, a, b)
+    return base.kernel_call(triton_elementwise.add_forward, _xla_add, a, b, rule=_ADD_RULE)
   return _xla_add(a, b)
 
 
+@partitioning.matching_vma
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _add_then_norm(x, residual, scale, cfg):
   return _add_then_norm_fwd(x, residual, scale, cfg)[0]

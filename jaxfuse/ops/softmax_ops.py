@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxfuse.kernels.pallas import softmax as pallas_softmax
-from jaxfuse.ops import base, checks
+from jaxfuse.ops import base, checks, partitioning
 
 SOFTMAX = base.Op("softmax", ("pallas", "triton", "xla"), base.KERNEL_GPU_ORDER)
 
@@ -145,6 +145,12 @@ def _backward_kernel(cfg):
   return functools.partial(triton_softmax.softmax_backward, scale=cfg.scale)
 
 
+def _rule(operands):
+  """The kernels' partitioning: over the rows, each row whole."""
+  r = partitioning.ROWS
+  return partitioning.rows_rule((r,) * operands, (r,))
+
+
 def _forward(x, mask, cfg):
   if cfg.impl in ("pallas", "triton"):
     rows, undo = _to_rows(x, cfg.axis)
@@ -152,7 +158,7 @@ def _forward(x, mask, cfg):
     if mask is not None:
       mask_rows, _ = _to_rows(jnp.broadcast_to(mask, x.shape), cfg.axis)
     twin = functools.partial(_rows_reference, scale=cfg.scale)
-    return undo(base.kernel_call(_forward_kernel(cfg), twin, rows, mask_rows))
+    return undo(base.kernel_call(_forward_kernel(cfg), twin, rows, mask_rows, rule=_rule(2)))
   return softmax_reference(x, axis=cfg.axis, scale=cfg.scale, mask=mask)
 
 
@@ -165,13 +171,14 @@ def _backward(y, g, cfg):
     y_rows, undo = _to_rows(y, cfg.axis)
     g_rows, _ = _to_rows(g, cfg.axis)
     twin = functools.partial(_xla_backward, axis=-1, scale=cfg.scale)
-    return undo(base.kernel_call(_backward_kernel(cfg), twin, y_rows, g_rows))
+    return undo(base.kernel_call(_backward_kernel(cfg), twin, y_rows, g_rows, rule=_rule(2)))
   return _xla_backward(y, g, cfg.axis, cfg.scale)
 
 
 # The custom VJP ---------------------------------------------------------------------------------
 
 
+@partitioning.matching_vma
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _softmax(x, mask, cfg):
   return _forward(x, mask, cfg)

@@ -62,7 +62,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxfuse.kernels.pallas import flash_attention as pallas_attention
 from jaxfuse.kernels.pallas.flash_attention import BlockSizes
-from jaxfuse.ops import base, names
+from jaxfuse.ops import base, names, partitioning
 from jaxfuse.ops.flash_attention import arguments, reference, tuning, xla
 
 ATTENTION = base.Op("attention", ("pallas", "triton", "xla"), base.KERNEL_GPU_ORDER)
@@ -176,6 +176,28 @@ def _reference_backward(q, k, v, q_seg, kv_seg, kv_lengths, bias, o, lse, do, *,
   return vjp(do)
 
 
+def _rule(q, k, bias, *, backward: bool = False, with_lse: bool = True):
+  """How the kernels partition: over the batch and the kv heads (each device holds whole
+  groups of query heads), the sequences and the head dim whole. A bias axis of size 1 is
+  broadcast; a bias's gradient is summed over the batch or heads it is broadcast along."""
+  heads = ("k", "g")
+  qmap, kmap = ("b", "t", heads, "d"), ("b", "s", "k", "d")
+  bmap = None
+  if bias is not None:
+    bmap = tuple(f if n > 1 else one for f, one, n in
+                 zip(("b", heads, "t", "s"), ("b1", "h1", "t1", "s1"), bias.shape))
+  lse = ("b", heads, "t")
+  operands = (qmap, kmap, kmap, ("b", "t"), ("b", "s"), ("b",), bmap)
+  if backward:
+    operands += (qmap, lse, qmap)
+    results = (qmap, kmap, kmap, bmap)
+  else:
+    results = (qmap, lse) if with_lse else (qmap,)
+  return partitioning.Rule(operands, results,
+                           whole=("t", "s", "d", "g", "b1", "h1", "t1", "s1"),
+                           sizes=(("g", q.shape[2] // k.shape[2]),))
+
+
 def _forward(q, k, v, q_seg, kv_seg, kv_lengths, bias, cfg, with_lse=True):
   twin = functools.partial(reference.forward_with_lse, causal=cfg.causal, scale=cfg.scale,
                            window=cfg.sliding_window, softcap=cfg.softcap,
@@ -192,10 +214,12 @@ def _forward(q, k, v, q_seg, kv_seg, kv_lengths, bias, cfg, with_lse=True):
     if not with_lse:
       output_only = functools.partial(kernel, with_lse=False)
       return base.kernel_call(lambda *a: output_only(*a)[0], lambda *a: twin(*a)[0], q, k, v,
-                              q_seg, kv_seg, kv_lengths, bias), None
+                              q_seg, kv_seg, kv_lengths, bias,
+                              rule=_rule(q, k, bias, with_lse=False)), None
   else:
     kernel = functools.partial(xla.forward, cfg=cfg)
-  return base.kernel_call(kernel, twin, q, k, v, q_seg, kv_seg, kv_lengths, bias)
+  return base.kernel_call(kernel, twin, q, k, v, q_seg, kv_seg, kv_lengths, bias,
+                          rule=_rule(q, k, bias))
 
 
 def _backward(q, k, v, q_seg, kv_seg, kv_lengths, bias, o, lse, do, cfg):
@@ -210,12 +234,14 @@ def _backward(q, k, v, q_seg, kv_seg, kv_lengths, bias, o, lse, do, cfg):
   else:
     kernel = functools.partial(xla.backward, cfg=cfg)
   twin = functools.partial(_reference_backward, cfg=cfg)
-  return base.kernel_call(kernel, twin, q, k, v, q_seg, kv_seg, kv_lengths, bias, o, lse, do)
+  return base.kernel_call(kernel, twin, q, k, v, q_seg, kv_seg, kv_lengths, bias, o, lse, do,
+                          rule=_rule(q, k, bias, backward=True))
 
 
 # The custom VJP ---------------------------------------------------------------------------------
 
 
+@partitioning.matching_vma
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
 def attention_vjp(q, k, v, q_seg, kv_seg, kv_lengths, bias, cfg):
   """The differentiable core of :func:`attention`, on checked and normalized arguments."""

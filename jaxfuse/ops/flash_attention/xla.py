@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxfuse.ops import activations
+from jaxfuse.ops.partitioning import vary_like
 
 # Query and key tile of the XLA path. XLA:CPU runs the tile loop on one thread and splits only
 # a large matmul over its cores, so long sequences use 512-wide tiles (their [512 x 512] x 64
@@ -297,6 +298,7 @@ def forward(q, k, v, q_seg, kv_seg, kv_lengths, bias, cfg):
 
       carry = (jnp.full((tiles.rows,), _NEG_INF, jnp.float32),
                jnp.zeros((tiles.rows,), jnp.float32), jnp.zeros((tiles.rows, d), jnp.float32))
+      carry = vary_like(carry, qu, ku, vu)
       carry = _visit(*tiles.key_tiles(i), step, carry)
       m, l, acc = carry
       empty = l == 0
@@ -369,13 +371,14 @@ def backward(q, k, v, q_seg, kv_seg, kv_lengths, bias, o, lse, do, cfg):
         dqt = lax.dynamic_update_slice_in_dim(dqt, dqt_c, r0, 1)
         return dk, dv, dqt, dbias_col
 
-      zeros = jnp.zeros((blk, d), f32)
-      dbias_col = jnp.zeros((g, tqp, blk), f32) if with_bias else None
+      zeros = vary_like(jnp.zeros((blk, d), f32), qu, ku, vu, dou)
+      dbias_col = vary_like(jnp.zeros((g, tqp, blk), f32), qu, ku, vu, dou) if with_bias else None
       carry = _visit(*tiles.query_tiles(j), step, (zeros, zeros, dqt, dbias_col))
       dk, dv, dqt, dbias_col = carry
       return dqt, (dk, dv, dbias_col)
 
-    dqt, (dk, dv, dbias_cols) = lax.scan(k_tile, jnp.zeros((d, tqp * g), f32), jnp.arange(nk))
+    dqt0 = vary_like(jnp.zeros((d, tqp * g), f32), qu, ku, vu, dou)
+    dqt, (dk, dv, dbias_cols) = lax.scan(k_tile, dqt0, jnp.arange(nk))
     if with_bias:
       full = dbias_cols.transpose(1, 2, 0, 3).reshape(g, tqp, nk * blk)
       bb, hb = un.bias.shape[:2]
@@ -387,7 +390,7 @@ def backward(q, k, v, q_seg, kv_seg, kv_lengths, bias, o, lse, do, cfg):
       dbias_acc = lax.dynamic_update_slice(dbias_acc, current + full[None], (at_b, at_h, 0, 0))
     return dbias_acc, (dqt.T, dk.reshape(-1, d), dv.reshape(-1, d))
 
-  dbias0 = jnp.zeros(un.bias.shape, f32) if with_bias else None
+  dbias0 = vary_like(jnp.zeros(un.bias.shape, f32), q, k, v, do) if with_bias else None
   units = jnp.arange(b * hkv)
   dbias, (dq, dk, dv) = lax.scan(unit, dbias0,
                                  (units, un.q, un.k, un.v, do_u, lse_u, delta_u))
