@@ -12,8 +12,11 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test,bench]'
 	touch $(STAMP)
 
+# The multi-device tests run in a process of their own, on 8 simulated CPU devices.
+SHARDING_ENV := XLA_FLAGS=--xla_force_host_platform_device_count=8 JAXFUSE_REQUIRE_DEVICES=8
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(PY) -m pytest -q -n 2 --dist loadfile --ignore=tests/sharding
+	$(SHARDING_ENV) $(PY) -m pytest -q -n 2 --dist loadfile tests/sharding
 
 $(VENV)/.compare: $(STAMP)
 	$(PY) -m pip install -q -e '.[compare]' || echo "tokamax did not install: its benchmark rows are skipped"

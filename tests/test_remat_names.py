@@ -23,7 +23,6 @@ from jaxfuse.remat import mlp as mlp_blocks
 
 B, T, H, KVH, D = 2, 16, 4, 2, 8        # attention: batch, length, heads, kv heads, head_dim
 F, HIDDEN, OUT = 32, 64, 24              # norms' features; the MLPs' hidden and output sizes
-ROWS = B * T
 F32, BF16 = jnp.dtype("float32"), jnp.dtype("bfloat16")
 SAVE_ONLY = jax.checkpoint_policies.save_only_these_names
 NOTHING = jax.checkpoint_policies.nothing_saveable
@@ -40,8 +39,8 @@ def _readout(out):
 
 
 # Each op: (function, arguments, {name: (shape, dtype) of the value it tags}). The shapes follow
-# the ops' layouts: the norms work on rows (leading axes flattened) with (rows, 1) float32
-# statistics; the attention's log-sum-exp is float32 [batch, heads, length].
+# the ops' layouts: the norms keep their inputs' shape, with float32 statistics of shape
+# (..., 1); the attention's log-sum-exp is float32 [batch, heads, length].
 _X = _normal(1, (B, T, F), jnp.bfloat16)
 _RES = _normal(2, (B, T, F), jnp.bfloat16)
 _SCALE = 1 + 0.1 * _normal(3, (F,))
@@ -52,8 +51,8 @@ _XM = _normal(8, (B, T, F))
 _WG, _WU, _WD = _normal(9, (F, HIDDEN)), _normal(10, (F, HIDDEN)), _normal(11, (HIDDEN, OUT))
 _BU = 0.1 * _normal(12, (HIDDEN,))
 
-_NORM_TAGS = {names.NORM_INPUT: ((ROWS, F), BF16), names.NORM_RSTD: ((ROWS, 1), F32),
-              names.NORM_OUT: ((ROWS, F), BF16)}
+_NORM_TAGS = {names.NORM_INPUT: ((B, T, F), BF16), names.NORM_RSTD: ((B, T, 1), F32),
+              names.NORM_OUT: ((B, T, F), BF16)}
 # A plain norm's norm.input is its own input: an argument, which exists anyway and is never a
 # residual (keeping it costs nothing). The add variants' norm.input is the computed sum.
 _INPUT_TAG = {names.NORM_INPUT: None}
@@ -65,7 +64,7 @@ OPS = {
          names.ATTN_LSE: ((B, H, T), F32)}),
     "rms_norm": (lambda x, s: ops.rms_norm(x, s), (_X, _SCALE), {**_NORM_TAGS, **_INPUT_TAG}),
     "layer_norm": (lambda x, s, b: ops.layer_norm(x, s, b), (_X, _SCALE, _BIAS),
-                   {**_NORM_TAGS, **_INPUT_TAG, names.NORM_MEAN: ((ROWS, 1), F32)}),
+                   {**_NORM_TAGS, **_INPUT_TAG, names.NORM_MEAN: ((B, T, 1), F32)}),
     # norm.input is x + residual here, which is also an output.
     "add_rms_norm": (lambda x, r, s: ops.add_rms_norm(x, r, s), (_X, _RES, _SCALE), _NORM_TAGS),
     "gated_mlp": (

@@ -23,6 +23,7 @@ KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "al
 _ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
              "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
 _ARRAY = re.compile(r"\b([a-z]+[0-9]*)\[([0-9,]*)\]")
+_COMMENT = re.compile(r"/\*.*?\*/")
 _LINE = re.compile(r"=\s*(\([^=]*?\)|[a-z]+[0-9]*\[[0-9,]*\](?:\{[^}]*\})?)\s+"
                    r"(" + "|".join(KINDS) + r")(-start)?\(")
 
@@ -49,6 +50,7 @@ def collectives(hlo_text: str) -> list[Collective]:
   """Every collective in a compiled HLO module's text, in order."""
   out = []
   for line in hlo_text.splitlines():
+    line = _COMMENT.sub("", line)   # /*index=5*/ in long tuple types
     match = _LINE.search(line)
     if match is None:
       continue

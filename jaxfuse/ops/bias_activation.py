@@ -113,10 +113,6 @@ def _xla_backward(x, bias, g, fn):
   return dz.astype(x.dtype), dbias.astype(bias.dtype)
 
 
-def _rows(x):
-  return x.reshape(-1, x.shape[-1])
-
-
 def _kernels(cfg):
   """The forward and backward kernels of ``cfg.impl`` over 2-D rows."""
   if cfg.impl == "pallas":
@@ -132,18 +128,20 @@ def _kernels(cfg):
   return forward, backward
 
 
-# The kernels are elementwise over the rows and features; the bias's gradient is summed over the
-# rows.
-_R, _F = partitioning.ROWS, partitioning.FEATURES
-_FORWARD_RULE = partitioning.rows_rule((_R, _F), (_R,), split_features=True)
-_BACKWARD_RULE = partitioning.rows_rule((_R, _F, _R), (_R, _F), split_features=True)
+def _rule(x, *, backward: bool) -> partitioning.Rule:
+  """The kernels are elementwise over the rows (any of ``x``'s leading axes) and features; the
+  bias's gradient is summed over the rows."""
+  r, f, lead = partitioning.ROWS, partitioning.FEATURES, x.ndim - 1
+  if backward:
+    return partitioning.rows_rule((r, f, r), (r, f), lead=lead, split_features=True)
+  return partitioning.rows_rule((r, f), (r,), lead=lead, split_features=True)
 
 
 def _forward(x, bias, cfg):
   if cfg.impl in ("pallas", "triton"):
     kernel, _ = _kernels(cfg)
     twin = functools.partial(_xla_forward, fn=cfg.fn)
-    return base.kernel_call(kernel, twin, _rows(x), bias, rule=_FORWARD_RULE).reshape(x.shape)
+    return base.kernel_call(kernel, twin, x, bias, rule=_rule(x, backward=False))
   return _xla_forward(x, bias, cfg.fn)
 
 
@@ -151,8 +149,7 @@ def _backward(x, bias, g, cfg):
   if cfg.impl in ("pallas", "triton"):
     _, kernel = _kernels(cfg)
     twin = functools.partial(_xla_backward, fn=cfg.fn)
-    dx, dbias = base.kernel_call(kernel, twin, _rows(x), bias, _rows(g), rule=_BACKWARD_RULE)
-    return dx.reshape(x.shape), dbias
+    return base.kernel_call(kernel, twin, x, bias, g, rule=_rule(x, backward=True))
   # The barrier keeps XLA from sharing the activation's intermediates with the forward pass
   # (which would write them to memory and read them back): the backward is one fused loop over
   # the inputs, plus the bias reduction.

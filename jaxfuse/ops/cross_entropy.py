@@ -315,9 +315,12 @@ def _pad_rows(x, rows, value=0):
 
 
 def _chunked(x, cfg, value=0):
+  """``x``'s rows in chunks of ``cfg.chunk`` (of fewer where a device holds fewer rows: the
+  chunk was chosen for all of them), the last one padded with ``value``."""
   n = x.shape[0]
-  count = -(-n // cfg.chunk)
-  return _pad_rows(x, count * cfg.chunk, value).reshape(count, cfg.chunk, *x.shape[1:])
+  chunk = max(1, min(cfg.chunk, n))
+  count = -(-n // chunk)
+  return _pad_rows(x, count * chunk, value).reshape(count, chunk, *x.shape[1:])
 
 
 def _token_coefficients(labels, lse, g_loss, g_lse, cfg):
@@ -405,11 +408,12 @@ def _xla_logit_grad(h, weight, bias, labels, lse, a, b, c, *, cfg):
 def _rule(cfg, kind: str) -> partitioning.Rule:
   """How the chunked loss partitions: over the tokens, and over the vocabulary (the weight
   split Megatron-style): each device's logsumexp, target logit and logit sum are combined with
-  collectives over ``[tokens]`` vectors, never over logits. The hidden size stays whole, and
-  so does the vocabulary where the argmax (accuracy) or the gradients in the forward need it.
+  collectives over ``[tokens]`` vectors (and, with the gradients in the forward, its ``dh``
+  share summed over ``[tokens, d]``), never over logits. The hidden size stays whole, and so
+  does the vocabulary where the argmax (accuracy) needs it.
   """
   rows, vec = ("n", "d"), ("n",)
-  whole = ("d", "v") if cfg.accuracy or kind == "grad_in_forward" else ("d",)
+  whole = ("d", "v") if cfg.accuracy else ("d",)
   if kind == "stats":
     return partitioning.Rule((rows, ("v", "d"), ("v",), vec), (vec,) * 4, whole=whole,
                              own=("v",))
@@ -417,7 +421,8 @@ def _rule(cfg, kind: str) -> partitioning.Rule:
     return partitioning.Rule((rows, ("v", "d"), ("v",)) + (vec,) * 5,
                              (rows, ("v", "d"), ("v",)), whole=whole, told=("v",))
   return partitioning.Rule((rows, ("v", "d"), ("v",), vec, vec),
-                           ((), vec, vec, (), rows, ("v", "d"), ("v",)), whole=whole)
+                           ((), vec, vec, (), rows, ("v", "d"), ("v",)), whole=whole,
+                           own=("v",))
 
 
 def _vocab_shard(cfg, weight, labels, vocab_axes):
@@ -441,11 +446,17 @@ def _stats_shard(h, weight, bias, labels, *, cfg, axes):
   if vocab_axes:
     cfg, labels = _vocab_shard(cfg, weight, labels, vocab_axes)
   lse, target, sumz, amax = _stats_kernel(h, weight, bias, labels, cfg)
-  if vocab_axes:
-    m = lax.pmax(lse, vocab_axes)
-    lse = m + jnp.log(lax.psum(jnp.exp(lse - m), vocab_axes))
-    target, sumz = lax.psum(target, vocab_axes), lax.psum(sumz, vocab_axes)
-  return lse, target, sumz, amax
+  return (*_combined_over_vocab(lse, target, sumz, vocab_axes), amax)
+
+
+def _combined_over_vocab(lse, target, sumz, vocab_axes):
+  """Per-token statistics of vocabulary slices combined over the slices (unchanged when the
+  vocabulary is whole)."""
+  if not vocab_axes:
+    return lse, target, sumz
+  m = lax.pmax(lse, vocab_axes)
+  lse = m + jnp.log(lax.psum(jnp.exp(lse - m), vocab_axes))
+  return lse, lax.psum(target, vocab_axes), lax.psum(sumz, vocab_axes)
 
 
 def _stats_kernel(h, weight, bias, labels, cfg):
@@ -573,28 +584,36 @@ def _lce_grad_in_forward(h, weight, bias, labels, weights, cfg):
 
 def _gif_fwd(h, weight, bias, labels, weights, cfg):
   kernel = functools.partial(_gif_shard, cfg=cfg)
+  twin = functools.partial(_gif_shard, cfg=cfg, axes={"v": ()})
   total, lse, correct, bad, dh, dw, db = base.kernel_call(
-      kernel, kernel, h, weight, bias, labels, weights, rule=_rule(cfg, "grad_in_forward"))
+      kernel, twin, h, weight, bias, labels, weights, rule=_rule(cfg, "grad_in_forward"))
   out = (total, lax.stop_gradient(lse), correct, bad > 0)
   # Residuals: the gradients themselves (h's, weight's and bias's size); the backward scales them.
   return out, (dh, dw, db)
 
 
-def _gif_shard(h, weight, bias, labels, weights, *, cfg):
+def _gif_shard(h, weight, bias, labels, weights, *, cfg, axes):
   """The loss and its gradients on one device's tokens (partial sums over the tokens for the
-  total, ``dweight`` and ``dbias``); ``bad`` counts NaN losses."""
+  total, ``dweight`` and ``dbias``) and vocabulary slice (each chunk's statistics and ``dh``
+  combined over the slices); ``bad`` counts NaN losses."""
   n, d = h.shape
   cd = jnp.float32
+  vocab_axes = axes["v"]
+  local_cfg, local_labels = (_vocab_shard(cfg, weight, labels, vocab_axes) if vocab_axes
+                             else (cfg, labels))
 
   def step(carry, xs):
     dw, db, total, bad = carry
-    hc, yc, wc = xs
-    z = _xla_logits(hc, weight, bias, cfg)
-    lse, target, sumz, amax = _xla_stats_from_logits(z, yc, cfg)
+    hc, yc, yc_local, wc = xs
+    z = _xla_logits(hc, weight, bias, local_cfg)
+    lse, target, sumz, amax = _xla_stats_from_logits(z, yc_local, local_cfg)
+    lse, target, sumz = _combined_over_vocab(lse, target, sumz, vocab_axes)
     loss, correct = _per_token(yc, lse, target, sumz, amax, cfg)
     a, b, c = _token_coefficients(yc, lse, wc, None, cfg)
-    dz = _xla_logit_grad_from_logits(z, yc, lse, a, b, c, cfg)
+    dz = _xla_logit_grad_from_logits(z, yc_local, lse, a, b, c, local_cfg)
     dhc = jnp.dot(dz, weight.astype(cd), precision=_HIGHEST)
+    if vocab_axes:
+      dhc = lax.psum(dhc, vocab_axes)
     dw = dw + lax.dot_general(dz, hc.astype(cd), (((0,), (0,)), ((), ())), precision=_HIGHEST)
     if cfg.has_bias:
       db = db + jnp.sum(dz, axis=0)
@@ -603,10 +622,11 @@ def _gif_shard(h, weight, bias, labels, weights, *, cfg):
     bad = bad | jnp.any(nan)
     return (dw, db, total, bad), (dhc.astype(h.dtype), lse, correct)
 
-  init = (jnp.zeros(weight.shape, cd), jnp.zeros((cfg.vocab,) if cfg.has_bias else (), cd),
+  init = (jnp.zeros(weight.shape, cd), jnp.zeros(weight.shape[:1] if cfg.has_bias else (), cd),
           jnp.zeros((), cd), jnp.zeros((), bool))
   init = partitioning.vary_like(init, h, weight, bias, labels, weights)
-  xs = (_chunked(h, cfg), _chunked(labels, cfg, cfg.ignore_index), _chunked(weights, cfg))
+  xs = (_chunked(h, cfg), _chunked(labels, cfg, cfg.ignore_index),
+        _chunked(local_labels, cfg, cfg.ignore_index), _chunked(weights, cfg))
   (dw, db, total, bad), (dh, lse, correct) = lax.scan(step, init, xs)
   dh = dh.reshape(-1, d)[:n]
   lse, correct = lse.reshape(-1)[:n], correct.reshape(-1)[:n]

@@ -127,10 +127,6 @@ def glu(a: jax.Array, b: jax.Array | str | Callable | None = None,
 # Forward and backward ---------------------------------------------------------------------------
 
 
-def _rows(x):
-  return None if x is None else x.reshape(-1, x.shape[-1])
-
-
 def _xla_forward(a, b, fn):
   """``act(a) * b``; packed ``a`` when ``b`` is None."""
   if b is None:
@@ -176,20 +172,23 @@ def _kernels(cfg):
   return forward, backward
 
 
-def _rule(b, results):
-  """The kernels' partitioning: over the rows; the features too when gate and value are two
-  arrays (the kernel is then elementwise), not when they are the halves of one."""
+def _rule(a, b, *, backward: bool):
+  """The kernels' partitioning: over the rows (any of the leading axes); the features too when
+  gate and value are two arrays (the kernel is then elementwise), not when they are the halves
+  of one."""
   r = partitioning.ROWS
-  return partitioning.rows_rule((r, r, r), (r,) * results, split_features=b is not None)
+  operands = (r, r, r) if backward else (r, r)        # (a, b, g) or (a, b)
+  results = (r, r) if backward and b is not None else (r,)
+  return partitioning.rows_rule(operands, results, lead=a.ndim - 1,
+                                split_features=b is not None)
 
 
 def _forward(a, b, cfg):
   if cfg.impl == "xla":
     return _xla_forward(a, b, cfg.fn)
-  shape = a.shape[:-1] + ((a.shape[-1] // 2,) if b is None else (a.shape[-1],))
   kernel, _ = _kernels(cfg)
   twin = functools.partial(_xla_forward, fn=cfg.fn)
-  return base.kernel_call(kernel, twin, _rows(a), _rows(b), rule=_rule(b, 1)).reshape(shape)
+  return base.kernel_call(kernel, twin, a, b, rule=_rule(a, b, backward=False))
 
 
 def _backward(a, b, g, cfg):
@@ -197,10 +196,7 @@ def _backward(a, b, g, cfg):
     return _xla_backward(a, b, g, cfg.fn)
   _, kernel = _kernels(cfg)
   twin = functools.partial(_xla_backward, fn=cfg.fn)
-  out = base.kernel_call(kernel, twin, _rows(a), _rows(b), _rows(g), rule=_rule(b, 2))
-  if b is None:
-    return out.reshape(a.shape)
-  return out[0].reshape(a.shape), out[1].reshape(b.shape)
+  return base.kernel_call(kernel, twin, a, b, g, rule=_rule(a, b, backward=True))
 
 
 # The custom VJPs --------------------------------------------------------------------------------

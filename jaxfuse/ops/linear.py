@@ -19,7 +19,9 @@ gradient of ``recompute_linear`` (see :func:`_rows_product`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +45,8 @@ def linear_reference(x: jax.Array, weight: jax.Array, bias: jax.Array | None = N
                      ) -> jax.Array:
   """Plain-jnp ``x @ weight.T + bias`` (weight ``[out, in]``), accumulated in float32."""
   y = jax.lax.dot_general(x, weight, (((x.ndim - 1,), (1,)), ((), ())),
-                          precision=_precision(x.dtype), preferred_element_type=jnp.float32)
+                          precision=_precision(x.dtype), preferred_element_type=jnp.float32,
+                          out_sharding=partitioning.typed_product_sharding(x, weight, 0))
   if bias is not None:
     y = y + bias.astype(jnp.float32)
   return y.astype(x.dtype)
@@ -73,24 +76,30 @@ def _check(op, x, weight, bias, *, name="weight", in_axis=1):
 _TRANSPOSE_MIN_MACS = 1 << 28
 
 
-def _rows_product(a, b, out_dtype, precision):
-  """``a^T @ b`` for ``a`` ``[n, p]`` and ``b`` ``[n, q]``: a weight gradient.
+def _rows_product(a, b, out_dtype, precision, out_sharding=None):
+  """``a^T @ b`` for ``a`` ``[..., p]`` and ``b`` ``[..., q]``, contracted over every leading
+  axis (the rows, not reshaped into one, so that rows split over a mesh stay split): a weight
+  gradient.
 
   XLA:CPU multiplies operands that are both contracted over their rows more slowly than
   row-major ones when ``a`` is the narrower (``p < q``); with ``p >= q`` both layouts ran at the
   same speed. So on CPU, large products with ``p < q`` go through a transposed copy of ``a``
   (kept by an optimization barrier, which XLA would otherwise fold back into the product) and
   a row-major product; everything else is left to XLA. ``python -m benchmarks layouts``
-  measures both ways at the MLP shapes.
+  measures both ways at the MLP shapes. ``out_sharding``: the result's, on Explicit mesh axes
+  (the weight's).
   """
-  n, p = a.shape
-  q = b.shape[1]
+  p, q = a.shape[-1], b.shape[-1]
+  n = math.prod(a.shape[:-1])
+  rows = tuple(range(a.ndim - 1))
   if dispatch.platform() == "cpu" and p < q and n * p * q >= _TRANSPOSE_MIN_MACS:
-    a_t = jax.lax.optimization_barrier(a.T)
-    out = jnp.dot(a_t, b, precision=precision, preferred_element_type=jnp.float32)
+    a_t = jax.lax.optimization_barrier(jnp.moveaxis(a, -1, 0))
+    out = jax.lax.dot_general(a_t, b, ((tuple(r + 1 for r in rows), rows), ((), ())),
+                              precision=precision, preferred_element_type=jnp.float32,
+                              out_sharding=out_sharding)
   else:
-    out = jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=precision,
-                              preferred_element_type=jnp.float32)
+    out = jax.lax.dot_general(a, b, ((rows, rows), ((), ())), precision=precision,
+                              preferred_element_type=jnp.float32, out_sharding=out_sharding)
   return out.astype(out_dtype)
 
 
@@ -131,7 +140,9 @@ def dense_reference(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = No
                     precision=None) -> jax.Array:
   """Plain-jnp ``x @ kernel + bias`` (kernel ``[in, out]``), accumulated in float32; its
   autodiff gradients are what :func:`dense` computes."""
-  y = jnp.matmul(x, kernel, precision=precision, preferred_element_type=jnp.float32)
+  y = jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=precision,
+                          preferred_element_type=jnp.float32,
+                          out_sharding=partitioning.typed_product_sharding(x, kernel, 1))
   if bias is not None:
     y = y + bias.astype(jnp.float32)
   return y.astype(x.dtype)
@@ -150,10 +161,12 @@ def _dense_fwd(x, kernel, bias, precision):
 
 def _dense_bwd(precision, residuals, g):
   x, kernel, bias = residuals
-  g2 = g.reshape(-1, g.shape[-1])
-  dx = jnp.matmul(g, kernel.T, precision=precision, preferred_element_type=jnp.float32)
-  dkernel = _rows_product(x.reshape(-1, x.shape[-1]), g2, kernel.dtype, precision)
-  dbias = None if bias is None else jnp.sum(g2, axis=0, dtype=jnp.float32).astype(bias.dtype)
+  rows = tuple(range(g.ndim - 1))
+  dx = jax.lax.dot_general(g, kernel, (((g.ndim - 1,), (1,)), ((), ())), precision=precision,
+                           preferred_element_type=jnp.float32,
+                           out_sharding=partitioning.typed_sharding(x))
+  dkernel = _rows_product(x, g, kernel.dtype, precision, partitioning.typed_sharding(kernel))
+  dbias = None if bias is None else jnp.sum(g, axis=rows, dtype=jnp.float32).astype(bias.dtype)
   return dx.astype(x.dtype), dkernel, dbias
 
 
@@ -192,26 +205,28 @@ def _xla_backward(x, weight, bias, g):
   The layer's output is not needed: a linear layer's gradients are products of its inputs and
   ``g``.
   """
-  x2 = x.reshape(-1, x.shape[-1])
-  g2 = g.reshape(-1, g.shape[-1])
+  rows = tuple(range(g.ndim - 1))
   precision = _precision(x.dtype)
   dx = jax.lax.dot_general(g, weight, (((g.ndim - 1,), (0,)), ((), ())), precision=precision,
-                           preferred_element_type=jnp.float32).astype(x.dtype)
-  dw = _rows_product(g2, x2, weight.dtype, precision)
-  db = None if bias is None else jnp.sum(g2, axis=0, dtype=jnp.float32).astype(bias.dtype)
+                           preferred_element_type=jnp.float32,
+                           out_sharding=partitioning.typed_sharding(x)).astype(x.dtype)
+  dw = _rows_product(g, x, weight.dtype, precision, partitioning.typed_sharding(weight))
+  db = None if bias is None else jnp.sum(g, axis=rows, dtype=jnp.float32).astype(bias.dtype)
   return dx, dw, db
 
 
-def _rule(bias, *, backward):
-  """The kernels' partitioning (weight ``[out, in]``): over the rows, the output features
-  (column-parallel) and, without a bias, the input features (row-parallel: the output is
-  summed over them). With a bias the input features stay whole, since the bias and its
-  gradient are not sums over them."""
-  whole = ("k",) if bias is not None else ()
-  x, w, b, y = ("n", "k"), ("m", "k"), ("m",), ("n", "m")
+def _rule(x, bias, *, backward):
+  """The kernels' partitioning (weight ``[out, in]``): over the rows (any of ``x``'s leading
+  axes), the output features (column-parallel) and, without a bias, the input features
+  (row-parallel: the output is summed over them). With a bias the input features stay whole,
+  since the bias and its gradient are not sums over them."""
+  rows_in, weight, vec, rows_out = ("n", "k"), ("m", "k"), ("m",), ("n", "m")
   if backward:
-    return partitioning.Rule((x, w, b, y), (x, w, b), whole=whole)
-  return partitioning.Rule((x, w, b), (y,), whole=whole)
+    operands, results = (rows_in, weight, vec, rows_out), (rows_in, weight, vec)
+  else:
+    operands, results = (rows_in, weight, vec), (rows_out,)
+  rule = partitioning.rows_rule(operands, results, lead=x.ndim - 1)
+  return dataclasses.replace(rule, whole=("k",) if bias is not None else ())
 
 
 def _forward(x, weight, bias, cfg):
@@ -224,9 +239,8 @@ def _forward(x, weight, bias, cfg):
   else:
     matmul = functools.partial(pallas_linear.matmul, interpret=cfg.interpret, name="linear_fwd")
     kernel = lambda x2, w, b: matmul(x2, w, bias=b)  # noqa: E731
-  y = base.kernel_call(kernel, linear_reference, x.reshape(-1, x.shape[-1]), weight, bias,
-                       rule=_rule(bias, backward=False))
-  return y.reshape(*x.shape[:-1], weight.shape[0])
+  return base.kernel_call(kernel, linear_reference, x, weight, bias,
+                          rule=_rule(x, bias, backward=False))
 
 
 def _pallas_backward(x2, weight, bias, g2, interpret):
@@ -250,9 +264,8 @@ def _backward(x, weight, bias, g, cfg):
     kernel = triton_linear.linear_backward
   else:
     kernel = functools.partial(_pallas_backward, interpret=cfg.interpret)
-  dx, dw, db = base.kernel_call(kernel, _xla_backward, x.reshape(-1, x.shape[-1]), weight,
-                                bias, g.reshape(-1, g.shape[-1]), rule=_rule(bias, backward=True))
-  return dx.reshape(x.shape), dw, db
+  return base.kernel_call(kernel, _xla_backward, x, weight, bias, g,
+                          rule=_rule(x, bias, backward=True))
 
 
 @partitioning.matching_vma

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from numbers import Real
 
 import jax
@@ -251,14 +250,8 @@ def _apply(op: base.Op, x, residual, scale, bias, eps, implementation, *, center
       return reference(x, *params, eps=eps)
     z = x + residual
     return reference(z, *params, eps=eps), z
-  shape = x.shape
-  rows = (math.prod(shape[:-1]), shape[-1])
   with jax.named_scope(f"jaxfuse.{op.name}"):
-    out = _normalize(x.reshape(rows), None if residual is None else residual.reshape(rows),
-                     scale, bias, cfg)
-  if residual is None:
-    return out.reshape(shape)
-  return out[0].reshape(shape), out[1].reshape(shape)
+    return _normalize(x, residual, scale, bias, cfg)
 
 
 # The XLA implementation (and the kernels' twin) -------------------------------------------------
@@ -325,24 +318,25 @@ def _xla_backward(rows, g, g_sum, scale, mean, rstd, *, has_bias):
   x = rows.astype(cd)
   g = g.astype(cd)
   hidden = x.shape[-1]
+  lead = tuple(range(x.ndim - 1))   # the row axes (one on the kernels' 2-D rows)
   s = None if scale is None else scale.astype(cd)
+  s_row = None if s is None else s.reshape((1,) * len(lead) + (hidden,))
   # (1, H) and (rows, 1) forms of the per-feature and per-row vectors, kept as such (see above).
-  s_1, rstd_1, mean_1 = jax.lax.optimization_barrier(
-      (None if s is None else s[None, :], rstd, mean))
+  s_1, rstd_1, mean_1 = jax.lax.optimization_barrier((s_row, rstd, mean))
   if mean is None:
     # Row sums sum(g*s * x); feature sums sum(g * xhat) = sum(x * g*rstd).
     c1 = jnp.sum((g if s is None else g * s_1) * x, axis=-1, keepdims=True)
-    dscale = None if s is None else jnp.sum(x * (g * rstd_1), axis=0)
+    dscale = None if s is None else jnp.sum(x * (g * rstd_1), axis=lead)
     c2 = None
   else:
     # Row sums sum(g*s * (x - mean)) and sum(g*s); feature sums sum(g * xhat). Each is written
     # with its own association, so that no product is shared (and so written out) between them.
-    s_2, mean_2 = jax.lax.optimization_barrier((None if s is None else s[None, :], mean))
+    s_2, mean_2 = jax.lax.optimization_barrier((s_row, mean))
     xc_1 = x - mean_1
     c1 = jnp.sum(g * (xc_1 if s is None else s_1 * xc_1), axis=-1, keepdims=True)
     c2 = jnp.sum(g if s is None else g * s_2, axis=-1, keepdims=True)
-    dscale = None if s is None else -jnp.sum((g * rstd_1) * (mean_2 - x), axis=0)
-  dbias = jnp.sum(g, axis=0) if has_bias else None
+    dscale = None if s is None else -jnp.sum((g * rstd_1) * (mean_2 - x), axis=lead)
+  dbias = jnp.sum(g, axis=lead) if has_bias else None
   r3 = rstd * rstd * rstd * (1.0 / hidden)
   coef1 = _opaque(r3 * c1, rstd)
   xc = x if mean is None else x - mean
@@ -358,30 +352,33 @@ def _xla_backward(rows, g, g_sum, scale, mean, rstd, *, has_bias):
 # Forward and backward ---------------------------------------------------------------------------
 
 
-# The kernels split over the rows; the features stay whole; the parameters' gradients are
-# summed over the rows.
-_R, _F, _S = partitioning.ROWS, partitioning.FEATURES, partitioning.ROW_STATS
-_FORWARD_RULE = partitioning.rows_rule((_R, _R, _F, _F), (_R, _R, _S, _S))
-_BACKWARD_RULE = partitioning.rows_rule((_R, _R, _R, _F, _S, _S), (_R, _F, _F))
-_ADD_RULE = partitioning.rows_rule((_R, _R), (_R,), split_features=True)
+def _rules(ndim: int):
+  """The kernels' partitioning for arrays of rank ``ndim``: over any of the row axes; the
+  features stay whole; the parameters' gradients are summed over the rows. The XLA formulas
+  go through the same rules (on one device, on 2-D rows as the kernels)."""
+  r, f, s, lead = partitioning.ROWS, partitioning.FEATURES, partitioning.ROW_STATS, ndim - 1
+  return (partitioning.rows_rule((r, r, f, f), (r, r, s, s), lead=lead),
+          partitioning.rows_rule((r, r, r, f, s, s), (r, f, f), lead=lead),
+          partitioning.rows_rule((r, r), (r,), lead=lead, split_features=True))
 
 
 def _forward(x, residual, scale, bias, cfg, *, store_stats):
-  """``(y, z, mean, rstd)``: z is None without a residual; the float32 ``(rows, 1)``
+  """``(y, z, mean, rstd)``: z is None without a residual; the float32 ``(..., 1)``
   statistics are None unless ``store_stats`` (and the mean for RMSNorm always is)."""
   twin = functools.partial(_xla_forward, centered=cfg.centered, eps=cfg.eps,
                            store_stats=store_stats)
   if cfg.impl == "pallas":
     kernel = functools.partial(pallas_norm.forward, eps=cfg.eps, centered=cfg.centered,
                                store_stats=store_stats, interpret=cfg.interpret)
-    return base.kernel_call(kernel, twin, x, residual, scale, bias, rule=_FORWARD_RULE)
-  if cfg.impl == "triton":
+  elif cfg.impl == "triton":
     from jaxfuse.kernels.triton import normalization as triton_norm
 
     kernel = functools.partial(triton_norm.forward, eps=cfg.eps, centered=cfg.centered,
                                store_stats=store_stats)
-    return base.kernel_call(kernel, twin, x, residual, scale, bias, rule=_FORWARD_RULE)
-  return twin(x, residual, scale, bias)
+  else:
+    kernel = twin
+  rule = _rules(x.ndim)[0]
+  return base.kernel_call(kernel, twin, x, residual, scale, bias, rule=rule)
 
 
 def _backward(rows, g, g_sum, scale, bias, mean, rstd, cfg):
@@ -390,13 +387,14 @@ def _backward(rows, g, g_sum, scale, bias, mean, rstd, cfg):
   if cfg.impl == "pallas":
     kernel = functools.partial(pallas_norm.backward, has_bias=bias is not None,
                                interpret=cfg.interpret)
-    return base.kernel_call(kernel, twin, rows, g, g_sum, scale, mean, rstd, rule=_BACKWARD_RULE)
-  if cfg.impl == "triton":
+  elif cfg.impl == "triton":
     from jaxfuse.kernels.triton import normalization as triton_norm
 
     kernel = functools.partial(triton_norm.backward, has_bias=bias is not None)
-    return base.kernel_call(kernel, twin, rows, g, g_sum, scale, mean, rstd, rule=_BACKWARD_RULE)
-  return twin(rows, g, g_sum, scale, mean, rstd)
+  else:
+    kernel = twin
+  rule = _rules(rows.ndim)[1]
+  return base.kernel_call(kernel, twin, rows, g, g_sum, scale, mean, rstd, rule=rule)
 
 
 # The custom VJP ---------------------------------------------------------------------------------
@@ -463,11 +461,8 @@ def add_rms_norm_unfused(x: jax.Array, residual: jax.Array, scale: jax.Array | N
   if x.size == 0:
     z = x + residual
     return rms_norm_reference(z, scale, eps=eps), z
-  shape = x.shape
-  rows = (math.prod(shape[:-1]), shape[-1])
   with jax.named_scope(f"jaxfuse.{op.name}"):
-    y, z = _add_then_norm(x.reshape(rows), residual.reshape(rows), scale, cfg)
-  return y.reshape(shape), z.reshape(shape)
+    return _add_then_norm(x, residual, scale, cfg)
 
 
 def _xla_add(a, b):
@@ -475,13 +470,14 @@ def _xla_add(a, b):
 
 
 def _add(a, b, cfg):
+  rule = _rules(a.ndim)[2]
   if cfg.impl == "pallas":
     kernel = functools.partial(pallas_elementwise.add_forward, interpret=cfg.interpret)
-    return base.kernel_call(kernel, _xla_add, a, b, rule=_ADD_RULE)
+    return base.kernel_call(kernel, _xla_add, a, b, rule=rule)
   if cfg.impl == "triton":
     from jaxfuse.kernels.triton import elementwise as triton_elementwise
 
-    return base.kernel_call(triton_elementwise.add_forward, _xla_add, a, b, rule=_ADD_RULE)
+    return base.kernel_call(triton_elementwise.add_forward, _xla_add, a, b, rule=rule)
   return _xla_add(a, b)
 
 

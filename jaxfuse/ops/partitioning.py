@@ -49,6 +49,16 @@ Factor = str | tuple[str, ...]   # a tuple: one array axis made of several facto
 
 
 @dataclasses.dataclass(frozen=True)
+class MergedRows:
+  """``lead`` leading axes of the operands and results marked True, merged into one row axis
+  for the kernel (``lead=0``: a row axis of 1 is added)."""
+
+  lead: int
+  operands: tuple[bool, ...]
+  results: tuple[bool, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class Rule:
   """Which axes of a kernel's operands and results may be split over a mesh.
 
@@ -65,6 +75,10 @@ class Rule:
     told: factors whose mesh axes the kernel is told (in ``axes``, as for ``own``) while its
       results are still summed over them (a vocabulary shard's offset, say).
     sizes: the sizes of factors that appear only inside tuples.
+    rows: for a kernel on ``[rows, features]`` called on arrays of any rank, which operands
+      and results have leading row axes, and how many (:class:`MergedRows`): the kernel
+      receives them merged into one axis, reshaped on each device after the split is chosen on
+      the unmerged axes, so that no split array is ever reshaped (which would move data).
   """
 
   operands: tuple[tuple[Factor, ...], ...]
@@ -73,6 +87,7 @@ class Rule:
   own: tuple[str, ...] = ()
   told: tuple[str, ...] = ()
   sizes: tuple[tuple[str, int], ...] = ()
+  rows: MergedRows | None = None
 
   def select(self, args: Sequence, outs: Sequence) -> Rule:
     """This rule for the operands and results that are not None."""
@@ -82,15 +97,37 @@ class Rule:
 
 
 # The axes of a kernel on rows: ``[rows, features]``, ``[features]``, ``[rows, 1]`` statistics.
+# "n" stands for the row axes: one per leading axis of the arrays (see :func:`rows_rule`).
 ROWS, FEATURES, ROW_STATS = ("n", "d"), ("d",), ("n", "one")
 
 
-def rows_rule(operands: Sequence, results: Sequence, *, split_features: bool = False) -> Rule:
-  """A kernel on rows (a norm, a softmax, an activation with a bias): split over the rows, its
+def row_factors(lead: int) -> tuple[str, ...]:
+  """The factors of ``lead`` leading row axes."""
+  return tuple(f"n{i}" for i in range(lead))
+
+
+def rows_rule(operands: Sequence, results: Sequence, *, lead: int = 1,
+              split_features: bool = False) -> Rule:
+  """A kernel on rows (a norm, a softmax, an activation with a bias) of arrays with ``lead``
+  leading row axes (``[batch, seq, features]``: 2): split over any of the row axes, its
   features whole unless ``split_features`` (elementwise in them); a ``[features]`` result is
-  summed over the rows."""
-  return Rule(tuple(operands), tuple(results),
-              whole=("one",) if split_features else ("d", "one"))
+  summed over the rows. The kernel receives the row axes merged into one.
+
+  Example:
+    >>> from jaxfuse.ops.partitioning import ROWS, FEATURES, rows_rule
+    >>> rows_rule((ROWS, FEATURES), (ROWS,), lead=2).operands
+    (('n0', 'n1', 'd'), ('d',))
+  """
+  rows = row_factors(lead)
+
+  def expand(mapping):
+    return tuple(f for factor in mapping for f in (rows if factor == "n" else (factor,)))
+
+  merged = MergedRows(lead, tuple(m[:1] == ("n",) for m in operands),
+                      tuple(m[:1] == ("n",) for m in results))
+  return Rule(tuple(expand(m) for m in operands), tuple(expand(m) for m in results),
+              whole=("one",) if split_features else ("d", "one"),
+              rows=None if lead == 1 else merged)
 
 
 def elementwise_rule(operands: int, results: int, ndim: int) -> Rule:
@@ -171,10 +208,31 @@ def _mesh_devices() -> int:
   return jax.device_count()
 
 
+def _merging_rows(kernel: Callable, rows: MergedRows) -> Callable:
+  """``kernel`` on arrays whose leading row axes it receives merged into one (a reshape of
+  each device's own shard: no data moves)."""
+  lead = rows.lead
+
+  def call(*args, **kw):
+    shape = next(a.shape[:lead] for a, m in zip(args, rows.operands, strict=True)
+                 if a is not None and m)
+    flat = [a.reshape(-1, *a.shape[lead:]) if a is not None and m else a
+            for a, m in zip(args, rows.operands, strict=True)]
+    out = kernel(*flat, **kw)
+    single = not isinstance(out, tuple)
+    outs = [o.reshape(*shape, *o.shape[1:]) if o is not None and m else o
+            for o, m in zip((out,) if single else out, rows.results, strict=True)]
+    return outs[0] if single else tuple(outs)
+
+  return call
+
+
 def partitioned_call(kernel: Callable, rule: Rule, *args):
   """``kernel(*args)``, partitioned over the mesh as ``rule`` declares (see the module
   docstring). ``args`` are arrays or None; ``kernel`` returns an array or a tuple of arrays
   (or None)."""
+  if rule.rows is not None:
+    kernel = _merging_rows(kernel, rule.rows)
   if rule.own or rule.told:
     unsplit = functools.partial(kernel, axes={f: () for f in rule.own + rule.told})
   else:
@@ -297,14 +355,50 @@ class _Call:
     return batched(*self.present)
 
 
+def typed_sharding(x):
+  """The sharding ``x``'s type carries on Explicit mesh axes, or None (Auto axes, no mesh,
+  inside ``shard_map``). A product contracted over split axes must name its result's sharding
+  there; a gradient takes its primal's."""
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  mesh = getattr(sharding, "mesh", None)
+  if mesh is None or mesh.empty or not mesh.explicit_axes or mesh.manual_axes:
+    return None
+  return sharding
+
+
+def typed_product_sharding(x, w, w_axis: int):
+  """For Explicit axes, the sharding of ``x @ w`` contracted over ``x``'s last axis: ``x``'s
+  leading axes as they are split, then ``w``'s axis ``w_axis`` as it is (unless a leading
+  axis uses its mesh axes already); a split contraction is summed. None otherwise."""
+  sx, sw = typed_sharding(x), typed_sharding(w)
+  if sx is None and sw is None:
+    return None
+  mesh = (sx or sw).mesh
+  lead = tuple(sx.spec)[:x.ndim - 1] if sx is not None else ()
+  lead = lead + (None,) * (x.ndim - 1 - len(lead))
+  w_spec = tuple(sw.spec) if sw is not None else ()
+  last = w_spec[w_axis] if w_axis < len(w_spec) else None
+  used = {a for e in lead for a in _names(e)}
+  if any(a in used for a in _names(last)):
+    last = None
+  return NamedSharding(mesh, PartitionSpec(*lead, last))
+
+
 def _only(entry, keep):
   """A PartitionSpec entry restricted to the mesh axes in ``keep``."""
   names = tuple(a for a in _names(entry) if a in keep)
   return None if not names else names[0] if len(names) == 1 else names
 
 
-def _vma(x) -> frozenset:
-  """The manual mesh axes ``x`` varies over (empty outside ``shard_map``)."""
+def varying_axes(x) -> frozenset:
+  """The manual mesh axes ``x`` varies over (empty outside ``shard_map``, and for None).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxfuse.ops.partitioning import varying_axes
+    >>> varying_axes(jnp.ones(3))
+    frozenset()
+  """
   if x is None:
     return frozenset()
   aval = jax.typeof(x)
@@ -323,14 +417,14 @@ def match_vma(*arrays):
   into the ``psum`` a replicated weight's gradient needs. Outside ``shard_map`` it returns the
   arrays unchanged. None entries stay None.
   """
-  union = frozenset().union(*(_vma(x) for x in arrays))
+  union = frozenset().union(*(varying_axes(x) for x in arrays))
   if not union:
     return arrays
 
   def widen(x):
     if x is None:
       return None
-    missing = tuple(sorted(union - _vma(x)))
+    missing = tuple(sorted(union - varying_axes(x)))
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
   return tuple(widen(x) for x in arrays)
@@ -340,12 +434,12 @@ def vary_like(tree, *refs):
   """``tree``'s arrays made to vary over the manual mesh axes that ``refs`` vary over (a loop
   carry created from constants must match what the loop body makes of the op's inputs).
   Outside ``shard_map`` it returns ``tree`` unchanged."""
-  union = frozenset().union(*(_vma(r) for r in refs))
+  union = frozenset().union(*(varying_axes(r) for r in refs))
   if not union:
     return tree
 
   def widen(x):
-    missing = tuple(sorted(union - _vma(x)))
+    missing = tuple(sorted(union - varying_axes(x)))
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
   return jax.tree.map(widen, tree)

@@ -112,10 +112,9 @@ def softmax(x: jax.Array, *, axis: int = -1, scale: float = 1.0, mask: jax.Array
 
 
 def _to_rows(x, axis):
-  """``x`` with ``axis`` moved last and the rest flattened: ``(rows, n)``, plus how to undo it."""
-  moved = jnp.moveaxis(x, axis, -1)
-  shape = moved.shape
-  return moved.reshape(-1, shape[-1]), lambda y: jnp.moveaxis(y.reshape(shape), -1, axis)
+  """``x`` with ``axis`` moved last (the kernels see the other axes as their rows), plus how to
+  undo it."""
+  return jnp.moveaxis(x, axis, -1), lambda y: jnp.moveaxis(y, -1, axis)
 
 
 def _xla_backward(y, g, axis, scale):
@@ -145,10 +144,10 @@ def _backward_kernel(cfg):
   return functools.partial(triton_softmax.softmax_backward, scale=cfg.scale)
 
 
-def _rule(operands):
-  """The kernels' partitioning: over the rows, each row whole."""
+def _rule(operands, x):
+  """The kernels' partitioning: over the rows (any of ``x``'s leading axes), each row whole."""
   r = partitioning.ROWS
-  return partitioning.rows_rule((r,) * operands, (r,))
+  return partitioning.rows_rule((r,) * operands, (r,), lead=x.ndim - 1)
 
 
 def _forward(x, mask, cfg):
@@ -158,7 +157,7 @@ def _forward(x, mask, cfg):
     if mask is not None:
       mask_rows, _ = _to_rows(jnp.broadcast_to(mask, x.shape), cfg.axis)
     twin = functools.partial(_rows_reference, scale=cfg.scale)
-    return undo(base.kernel_call(_forward_kernel(cfg), twin, rows, mask_rows, rule=_rule(2)))
+    return undo(base.kernel_call(_forward_kernel(cfg), twin, rows, mask_rows, rule=_rule(2, rows)))
   return softmax_reference(x, axis=cfg.axis, scale=cfg.scale, mask=mask)
 
 
@@ -171,7 +170,8 @@ def _backward(y, g, cfg):
     y_rows, undo = _to_rows(y, cfg.axis)
     g_rows, _ = _to_rows(g, cfg.axis)
     twin = functools.partial(_xla_backward, axis=-1, scale=cfg.scale)
-    return undo(base.kernel_call(_backward_kernel(cfg), twin, y_rows, g_rows, rule=_rule(2)))
+    return undo(base.kernel_call(_backward_kernel(cfg), twin, y_rows, g_rows,
+                                 rule=_rule(2, y_rows)))
   return _xla_backward(y, g, cfg.axis, cfg.scale)
 
 

@@ -43,7 +43,7 @@ def bias_act_forward(x: jax.Array, bias: jax.Array, fn: Callable, *, interpret: 
   out = jax.ShapeDtypeStruct(x.shape, x.dtype)
   kernel = functools.partial(_forward_kernel, fn=fn, rows=rows, n=n, block_rows=br,
                              block_cols=bc)
-  return pl.pallas_call(
+  return common.pallas_call(
       kernel,
       out_shape=out,
       grid=grid,
@@ -107,7 +107,7 @@ def bias_act_backward(x: jax.Array, bias: jax.Array, g: jax.Array, fn: Callable,
   kernel = functools.partial(_backward_kernel, fn=fn, rows=rows, n=n, block_rows=br,
                              block_cols=bc, steps=steps)
   group_spec = pl.BlockSpec((br * steps, bc), lambda i, j: (i, j))
-  dx, partials = pl.pallas_call(
+  dx, partials = common.pallas_call(
       kernel,
       out_shape=out_shape,
       grid=(groups, col_blocks),

@@ -82,3 +82,40 @@ def tail_mask(axis: int, block: int, size: int, *, grid_axis: int | None = None,
   shape = shape or (block,)
   start = pl.program_id(axis if grid_axis is None else grid_axis) * block
   return start + jax.lax.broadcasted_iota(jnp.int32, shape, axis) < size
+
+
+def _varying_axes(operands) -> tuple[frozenset, object]:
+  """The manual mesh axes any of ``operands`` varies over (inside ``jax.shard_map``), and the
+  type of an operand that varies over all of them (None outside ``shard_map``)."""
+  union, widest = frozenset(), None
+  for x in operands:
+    if not isinstance(x, jax.Array):
+      continue
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)   # jax 0.10; jax 0.11 calls it vma
+    varying = frozenset(manual.varying) if manual is not None else frozenset(
+        getattr(aval, "vma", ()))
+    if varying >= union:
+      union, widest = varying, manual if manual is not None else varying
+  return union, widest
+
+
+def _varying_struct(struct, widest):
+  if isinstance(widest, frozenset):
+    return jax.ShapeDtypeStruct(struct.shape, struct.dtype, vma=widest)
+  return jax.ShapeDtypeStruct(struct.shape, struct.dtype, manual_axis_type=widest)
+
+
+def pallas_call(kernel, *, out_shape, **options):
+  """``pl.pallas_call`` whose results vary over the manual mesh axes its operands vary over,
+  so that a kernel runs inside ``jax.shard_map`` with ``check_vma=True`` (a bare
+  ``ShapeDtypeStruct`` result is taken to vary over none, and shard_map refuses it)."""
+
+  def call(*operands):
+    union, widest = _varying_axes(operands)
+    shapes = out_shape
+    if union:
+      shapes = jax.tree.map(lambda s: _varying_struct(s, widest), out_shape)
+    return pl.pallas_call(kernel, out_shape=shapes, **options)(*operands)
+
+  return call

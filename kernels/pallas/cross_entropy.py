@@ -148,7 +148,7 @@ def stats_forward(h, w, bias, labels, *, softcap=None, interpret=False, blocks=N
       jax.ShapeDtypeStruct((n,), jnp.int32)]
   estimate = common.cost(inputs, out_shape, flops=2 * n * v * d + 8 * n * v,
                          transcendentals=n * v * (3 if softcap is not None else 1))
-  return pl.pallas_call(
+  return common.pallas_call(
       kernel,
       out_shape=out_shape,
       grid=grid,
@@ -213,7 +213,7 @@ def logit_grad(h, w, bias, labels, lse, a, b, c, *, softcap=None, smoothing=True
   out_shape = jax.ShapeDtypeStruct((n, v), out_dtype)
   estimate = common.cost(inputs, out_shape, flops=2 * n * v * d + 8 * n * v,
                          transcendentals=n * v * (3 if softcap is not None else 1))
-  return pl.pallas_call(
+  return common.pallas_call(
       kernel,
       out_shape=out_shape,
       grid=grid,

@@ -63,7 +63,7 @@ def elementwise_call(body: Callable[..., Sequence[jax.Array]], inputs: Sequence[
 
   out_shapes = [jax.ShapeDtypeStruct((n,), dt) for dt in out_dtypes]
   estimate = common.cost(inputs, out_shapes, fun=reference)
-  outs = pl.pallas_call(
+  outs = common.pallas_call(
       kernel,
       out_shape=out_shapes,
       grid=(pl.cdiv(n, block),),

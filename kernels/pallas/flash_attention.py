@@ -528,7 +528,7 @@ def forward(q, k, v, q_seg, kv_seg, kv_lengths, bias, *, causal: bool | str | No
   nq = pl.cdiv(spec.tq, bq)
   pairs = _visible_pairs(spec) * spec.b * spec.hq
   operands = [q, k, v, *extra]
-  outs = pl.pallas_call(
+  outs = common.pallas_call(
       functools.partial(_fwd_kernel, spec=spec, bq=bq, bk=bk),
       out_shape=out_shape,
       grid=(nq, spec.hq, spec.b),
@@ -697,7 +697,7 @@ def backward(q, k, v, q_seg, kv_seg, kv_lengths, bias, o, lse, do, *,
       seg_k_map=lambda i, h, bi: (bi, 0), bias_map=bias_map)
   operands = [q, k, v, *extra, do, lse, delta]
   dq_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
-  dq = pl.pallas_call(
+  dq = common.pallas_call(
       functools.partial(_dq_kernel, spec=spec, bq=bq, bk=bk),
       out_shape=dq_shape,
       grid=(pl.cdiv(spec.tq, bq), spec.hq, spec.b),
@@ -725,7 +725,7 @@ def backward(q, k, v, q_seg, kv_seg, kv_lengths, bias, o, lse, do, *,
       seg_k_map=lambda j, h, bi: (bi, 0), bias_map=bias_map)
   operands = [q, k, v, *extra, do, lse, delta]
   dkdv_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype)] * 2
-  dk, dv = pl.pallas_call(
+  dk, dv = common.pallas_call(
       functools.partial(_dkdv_kernel, spec=spec, bq=bq, bk=bk),
       out_shape=dkdv_shape,
       grid=(pl.cdiv(spec.tk, bk), spec.hkv, spec.b),
@@ -762,7 +762,7 @@ def _dbias(q, k, v, q_seg, kv_seg, kv_lengths, bias, lse, delta, do, spec, block
       seg_k_map=lambda i, j, n: (n // hq, 0), bias_map=bias_map)
   out = jax.ShapeDtypeStruct((spec.b, hq, spec.tq, spec.tk), jnp.float32)
   operands = [q, k, v, *extra, do, lse, delta]
-  ds = pl.pallas_call(
+  ds = common.pallas_call(
       functools.partial(_dbias_kernel, spec=spec, bq=bq, bk=bk),
       out_shape=out,
       grid=(pl.cdiv(spec.tq, bq), pl.cdiv(spec.tk, bk), spec.b * hq),

@@ -89,7 +89,7 @@ def glu_forward(a: jax.Array, b: jax.Array | None, fn: Callable, *, interpret: b
   out = jax.ShapeDtypeStruct((rows, h), a.dtype)
   kernel = functools.partial(_forward_kernel, fn=fn, rows=rows, h=h, block_rows=br,
                              block_cols=bc)
-  return pl.pallas_call(
+  return common.pallas_call(
       kernel,
       out_shape=out,
       grid=tiles.grid(rows, h, br, bc),
@@ -120,7 +120,7 @@ def glu_backward(a: jax.Array, b: jax.Array | None, g: jax.Array, fn: Callable, 
     out_specs = [tile, tile]
   kernel = functools.partial(_backward_kernel, fn=fn, rows=rows, h=h, block_rows=br,
                              block_cols=bc, packed=packed)
-  outs = pl.pallas_call(
+  outs = common.pallas_call(
       kernel,
       out_shape=out_shape,
       grid=tiles.grid(rows, h, br, bc),

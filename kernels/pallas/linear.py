@@ -103,7 +103,7 @@ def matmul(a: jax.Array, b: jax.Array, *, a_layout: str = "ik", b_layout: str = 
     in_specs.append(pl.BlockSpec((bj,), lambda i, j: (j,)))
     operands.append(bias)
   out_shape = jax.ShapeDtypeStruct((size_i, size_j), out_dtype)
-  return pl.pallas_call(
+  return common.pallas_call(
       kernel,
       out_shape=out_shape,
       grid=grid,
@@ -140,7 +140,7 @@ def sum_rows(g: jax.Array, *, out_dtype=None, interpret: bool = False,
     pl_triton.store(out_ref, acc.astype(out_ref.dtype), mask=j_ok)
 
   out_shape = jax.ShapeDtypeStruct((size_j,), out_dtype)
-  return pl.pallas_call(
+  return common.pallas_call(
       kernel,
       out_shape=out_shape,
       grid=(pl.cdiv(size_j, bj),),

@@ -217,7 +217,7 @@ def forward(x, residual, scale, bias, *, eps: float, centered: bool, store_stats
   kernel = _bind(_forward_kernel, n_rows=n_rows, n_cols=n_cols, t=t, centered=centered,
                  has_residual=has_residual, has_scale=scale is not None,
                  has_bias=bias is not None, store_stats=store_stats, eps=float(eps))
-  outs = pl.pallas_call(
+  outs = common.pallas_call(
       kernel,
       out_shape=out_shapes,
       grid=(pl.cdiv(n_rows, t.rows),),
@@ -363,7 +363,7 @@ def backward(x, g, sum_grad, scale, mean, rstd, *, has_bias: bool, interpret: bo
   kernel = _bind(_backward_kernel, n_rows=n_rows, n_cols=n_cols, t=t,
                  tiles_per_program=tiles_per_program, centered=centered,
                  has_sum_grad=has_sum_grad, has_scale=has_scale, has_bias=has_bias)
-  outs = pl.pallas_call(
+  outs = common.pallas_call(
       kernel,
       out_shape=out_shapes,
       grid=(n_programs, t.chunks),

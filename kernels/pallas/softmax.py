@@ -155,7 +155,7 @@ def softmax_forward(x: jax.Array, mask: jax.Array | None = None, *, scale: float
   kernel = functools.partial(_forward_kernel, rows=rows, n=n, block_rows=block_rows,
                              chunk=chunk, n_chunks=n_chunks, scale=float(scale),
                              has_mask=mask is not None)
-  return pl.pallas_call(
+  return common.pallas_call(
       kernel,
       out_shape=out,
       grid=(pl.cdiv(rows, block_rows),),
@@ -179,7 +179,7 @@ def softmax_backward(y: jax.Array, g: jax.Array, *, scale: float = 1.0, interpre
   out = jax.ShapeDtypeStruct(y.shape, y.dtype)
   kernel = functools.partial(_backward_kernel, rows=rows, n=n, block_rows=block_rows,
                              chunk=chunk, n_chunks=n_chunks, scale=float(scale))
-  return pl.pallas_call(
+  return common.pallas_call(
       kernel,
       out_shape=out,
       grid=(pl.cdiv(rows, block_rows),),

@@ -125,13 +125,9 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool | str = 
   arguments.check(op, q, k, v, segment_ids, kv_lengths, bias)
   causal = arguments.causal_alignment(op, causal)
   arguments.check_window_and_softcap(op, sliding_window, logit_softcap, causal)
-  backend = ATTENTION.backend(implementation)
-  b, tq, hq, d = q.shape
-  if (implementation is None and backend["impl"] in ("pallas", "triton")
-      and d > pallas_attention.MAX_HEAD_DIM):
-    backend = {"impl": "xla", "interpret": False}  # the kernels' tiles would not fit
-  tk = k.shape[1]
-  scale = arguments.default_scale(scale, d)
+  ATTENTION.resolve(implementation)   # an implementation that cannot run here raises
+  tq, tk = q.shape[1], k.shape[1]
+  scale = arguments.default_scale(scale, q.shape[-1])
   segments = arguments.segments(segment_ids, tq, tk)
   if math.prod(q.shape) == 0 or tk == 0:  # Nothing to attend to: zeros (rows without keys).
     return jnp.zeros(q.shape, q.dtype)
@@ -140,15 +136,49 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool | str = 
     kv_lengths = kv_lengths.astype(jnp.int32)
   if bias is not None:
     bias = arguments.expand_bias(bias, tq, tk)
-  kernels = backend["impl"] in ("pallas", "triton")
-  blocks = (tuning.block_sizes_for(q, k, causal=causal is not None, has_bias=bias is not None)
-            if kernels else None)
-  cfg = Config(**backend, causal=causal, scale=scale, blocks=blocks,
-               xla_block=0 if kernels else xla.xla_block_size(tq, tk),
-               sliding_window=sliding_window,
-               softcap=None if logit_softcap is None else float(logit_softcap))
+  cfg = make_config(q, k, causal=causal, scale=scale, implementation=implementation,
+                    has_bias=bias is not None, sliding_window=sliding_window,
+                    logit_softcap=logit_softcap)
   with jax.named_scope(f"jaxfuse.attention[{cfg.impl}]"):
     return attention_vjp(q, k, v, q_seg, kv_seg, kv_lengths, bias, cfg)
+
+
+def make_config(q, k, *, causal: str | None, scale: float, implementation: str | None,
+                has_bias: bool = False, sliding_window: int | None = None,
+                logit_softcap: float | None = None) -> Config:
+  """The static configuration of attention of ``q`` over ``k`` (checked arguments; ``causal``
+  None, ``"top_left"`` or ``"bottom_right"``): the implementation and its tiles."""
+  backend = ATTENTION.backend(implementation)
+  if (implementation is None and backend["impl"] in ("pallas", "triton")
+      and q.shape[-1] > pallas_attention.MAX_HEAD_DIM):
+    backend = {"impl": "xla", "interpret": False}  # the kernels' tiles would not fit
+  kernels = backend["impl"] in ("pallas", "triton")
+  blocks = (tuning.block_sizes_for(q, k, causal=causal is not None, has_bias=has_bias)
+            if kernels else None)
+  return Config(**backend, causal=causal, scale=scale, blocks=blocks,
+                xla_block=0 if kernels else xla.xla_block_size(q.shape[1], k.shape[1]),
+                sliding_window=sliding_window,
+                softcap=None if logit_softcap is None else float(logit_softcap))
+
+
+def lse_in_base2(cfg: Config) -> bool:
+  """Whether the log-sum-exp of ``cfg``'s kernels is in base 2 (the Pallas and Triton
+  kernels') rather than natural; rows that see no key have ``+inf`` in either."""
+  return cfg.impl in ("pallas", "triton")
+
+
+def forward_with_lse(q, k, v, cfg: Config):
+  """``(o, lse)`` of attention without segments, lengths or bias: the kernels' forward, for
+  callers that combine several (ring attention). ``lse`` is float32 ``[batch, heads, q_len]``
+  in the base :func:`lse_in_base2` says."""
+  return _forward(q, k, v, None, None, None, None, cfg)
+
+
+def backward_from_lse(q, k, v, o, lse, do, cfg: Config):
+  """``(dq, dk, dv)`` of attention without segments, lengths or bias, from the output ``o``
+  and log-sum-exp ``lse`` of the whole row (which may span more keys than ``k``: the
+  gradients are then this block's share)."""
+  return _backward(q, k, v, None, None, None, None, o, lse, do, cfg)[:3]
 
 
 # Forward and backward ---------------------------------------------------------------------------
@@ -180,7 +210,8 @@ def _rule(q, k, bias, *, backward: bool = False, with_lse: bool = True):
   """How the kernels partition: over the batch and the kv heads (each device holds whole
   groups of query heads), the sequences and the head dim whole. A bias axis of size 1 is
   broadcast; a bias's gradient is summed over the batch or heads it is broadcast along."""
-  heads = ("k", "g")
+  groups = q.shape[2] // k.shape[2]
+  heads = ("k", "g") if groups > 1 else "k"   # Shardy takes no compound with a factor of 1
   qmap, kmap = ("b", "t", heads, "d"), ("b", "s", "k", "d")
   bmap = None
   if bias is not None:
@@ -195,13 +226,13 @@ def _rule(q, k, bias, *, backward: bool = False, with_lse: bool = True):
     results = (qmap, lse) if with_lse else (qmap,)
   return partitioning.Rule(operands, results,
                            whole=("t", "s", "d", "g", "b1", "h1", "t1", "s1"),
-                           sizes=(("g", q.shape[2] // k.shape[2]),))
+                           sizes=(("g", groups),) if groups > 1 else ())
 
 
 def _forward(q, k, v, q_seg, kv_seg, kv_lengths, bias, cfg, with_lse=True):
   twin = functools.partial(reference.forward_with_lse, causal=cfg.causal, scale=cfg.scale,
                            window=cfg.sliding_window, softcap=cfg.softcap,
-                           base2=cfg.impl in ("pallas", "triton"))
+                           base2=lse_in_base2(cfg))
   if cfg.impl in ("pallas", "triton"):
     if cfg.impl == "pallas":
       kernel = functools.partial(pallas_attention.forward, **_pallas_masks(cfg),
