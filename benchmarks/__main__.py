@@ -9,6 +9,8 @@ are already there, or ``--system-env`` is given); they apply to every candidate 
   time than its loops (compare a suite's times with ``--system-env``).
 - ``OMP_WAIT_POLICY=PASSIVE``: torch's OpenMP threads otherwise spin after each torch call on
   the cores the next (JAX) candidate needs; torch's own times did not change with it.
+- the ``shard`` suite gets 8 simulated CPU devices
+  (``XLA_FLAGS=--xla_force_host_platform_device_count=8``), fixed when JAX starts.
 """
 
 import os
@@ -22,10 +24,33 @@ SETTINGS = {
 }
 
 
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+# Suites that run on several (simulated) devices, and how many.
+SUITE_DEVICES = {"shard": 8}
+
+
+def _device_flags() -> str | None:
+  """XLA_FLAGS with the simulated device count of the suite asked for, or None if it needs none
+  (or the flag is there already)."""
+  count = next((n for name, n in SUITE_DEVICES.items() if name in sys.argv[1:2]), None)
+  flags = os.environ.get("XLA_FLAGS", "")
+  if count is None or DEVICE_COUNT_FLAG in flags:
+    return None
+  return f"{flags} {DEVICE_COUNT_FLAG}={count}".strip()
+
+
 def _restart_with_settings() -> None:
-  if "--system-env" in sys.argv or all(k in os.environ for k in SETTINGS):
+  devices = _device_flags()
+  settings_missing = not all(k in os.environ for k in SETTINGS)
+  if "--system-env" in sys.argv:
+    settings_missing = False
+  if not settings_missing and devices is None:
     return
-  env = {**SETTINGS, **os.environ}
+  env = dict(os.environ)
+  if settings_missing:
+    env = {**SETTINGS, **env}
+  if devices is not None:
+    env["XLA_FLAGS"] = devices
   os.execve(sys.executable, [sys.executable, "-m", "benchmarks", *sys.argv[1:]], env)
 
 

@@ -36,12 +36,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxfuse import nnx as jnnx
+from jaxfuse import parallel
 from jaxfuse.models.config import DecoderConfig
 from jaxfuse.ops import dense, names, rotary_embedding
 from jaxfuse.ops.flash_attention import attention
@@ -49,6 +51,35 @@ from jaxfuse.remat.layers import LayerStack, stacked
 
 IGNORE_INDEX = -100
 _HIGHEST = jax.lax.Precision.HIGHEST
+
+# The logical axes of the parameters (the end of each parameter's path; see
+# jaxfuse.parallel.annotate): Megatron's tensor parallelism (q/k/v, gate and up split by their
+# outputs, o and down by their inputs, the vocabulary split in the embedding and head) and
+# FSDP over d_model. Norm scales are replicated.
+PARAM_AXES = {
+    r"embed_tokens\.embedding": ("vocab", "embed"),
+    r"q_proj\.kernel": ("embed", "heads"),
+    r"q_proj\.bias": ("heads",),
+    r"[kv]_proj\.kernel": ("embed", "kv_heads"),
+    r"[kv]_proj\.bias": ("kv_heads",),
+    r"o_proj\.kernel": ("heads", "embed"),
+    r"o_proj\.bias": ("embed",),
+    r"(gate|up)_proj\.kernel": ("embed", "mlp"),
+    r"(gate|up)_proj\.bias": ("mlp",),
+    r"down_proj\.kernel": ("mlp", "embed"),
+    r"down_proj\.bias": ("embed",),
+    r"lm_head\.kernel": ("vocab", "embed"),
+    r"lm_head\.bias": ("vocab",),
+    r"scale": ("norm",),
+}
+
+# The logical axes of the activations (jaxfuse.parallel.constrain): the residual stream, which
+# sequence parallelism splits over the sequence between the blocks' projections, and the
+# heads inside attention.
+STREAM = ("batch", "residual_seq", "act_embed")
+HEADS = ("batch", "seq", "act_heads", None)
+KV_HEADS = ("batch", "seq", "act_kv_heads", None)
+FULL_SEQ = ("batch", "seq", "act_embed")
 
 
 def next_token_targets(tokens: jax.Array, ignore_index: int = IGNORE_INDEX) -> jax.Array:
@@ -91,24 +122,38 @@ class Attention(nnx.Module):
   def _heads(self, x, positions):
     cfg, hd = self.cfg, self.cfg.head_dim
     lead = x.shape[:-1]
-    q = _project(self.q_proj, x, self.fused).reshape(*lead, cfg.num_heads, hd)
-    k = _project(self.k_proj, x, self.fused).reshape(*lead, cfg.kv_heads, hd)
-    v = _project(self.v_proj, x, self.fused).reshape(*lead, cfg.kv_heads, hd)
-    q = rotary_embedding(q, positions, base=cfg.rope_theta)
-    k = rotary_embedding(k, positions, base=cfg.rope_theta)
+    # Column-parallel projections: under a mesh their outputs are split by heads.
+    q, k, v = (parallel.constrain(_project(proj, x, self.fused), ..., axis)
+               for proj, axis in ((self.q_proj, "act_heads"), (self.k_proj, "act_kv_heads"),
+                                  (self.v_proj, "act_kv_heads")))
+    q = q.reshape(*lead, cfg.num_heads, hd)
+    k, v = k.reshape(*lead, cfg.kv_heads, hd), v.reshape(*lead, cfg.kv_heads, hd)
+    q = parallel.constrain(rotary_embedding(q, positions, base=cfg.rope_theta), *HEADS)
+    k = parallel.constrain(rotary_embedding(k, positions, base=cfg.rope_theta), *KV_HEADS)
+    v = parallel.constrain(v, *KV_HEADS)
     if not self.fused:   # jaxfuse's attention names its own inputs
       q, k, v = (checkpoint_name(x, n) for x, n in ((q, names.ATTN_Q), (k, names.ATTN_K),
                                                    (v, names.ATTN_V)))
     return q, k, v
 
   def _out(self, o):
-    out = _project(self.o_proj, o.reshape(*o.shape[:-2], -1), self.fused)
-    return checkpoint_name(out, names.ATTN_PROJ)
+    o = parallel.constrain(o, *HEADS)
+    o = parallel.constrain(o.reshape(*o.shape[:-2], -1), ..., "act_heads")   # row-parallel
+    out = _project(self.o_proj, o, self.fused)
+    return checkpoint_name(parallel.constrain(out, *STREAM), names.ATTN_PROJ)
 
   def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    """Causal attention of ``x`` at ``positions`` (in zig-zag order when the sequence is split
+    over the mesh: see :meth:`Decoder.sequence_order`)."""
     q, k, v = self._heads(x, positions)
     window = self.cfg.sliding_window
-    if self.fused:
+    if parallel.mesh_size("seq") > 1:
+      if not self.fused or window is not None:
+        raise ValueError("Decoder: a sequence split over the mesh (context parallelism) runs "
+                         "jaxfuse's ring attention: it needs fused=True and no sliding window")
+      o = parallel.context_parallel_attention(q, k, v, causal=True,
+                                              implementation=self.implementation)
+    elif self.fused:
       o = attention(q, k, v, causal=True, sliding_window=window,
                     implementation=self.implementation)
     else:
@@ -147,11 +192,11 @@ class MLP(jnnx.GatedMLP):
 
   def __call__(self, x: jax.Array) -> jax.Array:
     if self.fused:
-      return super().__call__(x)
+      return parallel.constrain(super().__call__(x), *STREAM)
     gate = checkpoint_name(self.gate_proj(x), names.MLP_GATE)
     up = checkpoint_name(self.up_proj(x), names.MLP_UP)
     hidden = checkpoint_name(jax.nn.silu(gate) * up, names.MLP_HIDDEN)
-    return checkpoint_name(self.down_proj(hidden), names.MLP_DOWN)
+    return checkpoint_name(parallel.constrain(self.down_proj(hidden), *STREAM), names.MLP_DOWN)
 
 
 class _PlainRMSNorm(nnx.RMSNorm):
@@ -182,6 +227,7 @@ class Block(nnx.Module):
 
   def __call__(self, h: jax.Array, positions: jax.Array) -> jax.Array:
     """The unfused block: ``h + attn(norm(h))``, then ``+ mlp(norm(.))``."""
+    h = parallel.constrain(h, *STREAM)
     h = h + self.self_attn(self.input_layernorm(h), positions)
     return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -191,8 +237,8 @@ class Block(nnx.Module):
     previous block's MLP output (zeros before the first block), added by this block's input
     RMSNorm in the same op. Returns this block's ``(pending, stream)``: each residual add is
     fused with the RMSNorm that follows it."""
-    pending = checkpoint_name(pending, names.BLOCK_INPUT)
-    stream = checkpoint_name(stream, names.BLOCK_INPUT)
+    pending = checkpoint_name(parallel.constrain(pending, *STREAM), names.BLOCK_INPUT)
+    stream = checkpoint_name(parallel.constrain(stream, *STREAM), names.BLOCK_INPUT)
     normed, stream = self.input_layernorm.add(pending, stream)
     a = self.self_attn(normed, positions)
     normed, stream = self.post_attention_layernorm.add(a, stream)
@@ -202,7 +248,7 @@ class Block(nnx.Module):
     """The fused block on the whole residual stream ``h``: the post-attention add is fused
     with its RMSNorm; the MLP's output is added to the stream by itself. One array crosses the
     block's boundary (what a recomputed block keeps) instead of two."""
-    h = checkpoint_name(h, names.BLOCK_INPUT)
+    h = checkpoint_name(parallel.constrain(h, *STREAM), names.BLOCK_INPUT)
     a = self.self_attn(self.input_layernorm(h), positions)
     normed, stream = self.post_attention_layernorm.add(a, h)
     return stream + self.mlp(normed)
@@ -275,6 +321,7 @@ class Decoder(LayerStack, nnx.Module):
         kernel_init=nnx.initializers.normal(cfg.initializer_range),
         grad_in_forward=grad_in_forward, implementation=implementation, rngs=rngs)
     self.set_remat(remat, segments)
+    parallel.annotate(self, PARAM_AXES)
 
   # Recomputation ------------------------------------------------------------------------------
 
@@ -298,8 +345,15 @@ class Decoder(LayerStack, nnx.Module):
     fused and no block is recomputed, ``(pending, stream)``, so that each residual add is fused
     with the RMSNorm after it across the blocks' boundary; otherwise the embedded tokens, the
     one array a recomputed block keeps."""
-    h = self.embed_tokens(tokens)
+    h = parallel.constrain(self._embed(tokens), *STREAM)
     return (jnp.zeros_like(h), h) if self._pending_carry else h
+
+  def _embed(self, tokens):
+    """The embedded tokens: vocab-parallel where the mesh splits the vocabulary."""
+    if parallel.mesh_size("vocab") == 1:
+      return self.embed_tokens(tokens)
+    table = self.embed_tokens.embedding[...]
+    return parallel.embed(table.astype(self.cfg.dtype or table.dtype), tokens, STREAM)
 
   @property
   def _pending_carry(self) -> bool:
@@ -315,20 +369,43 @@ class Decoder(LayerStack, nnx.Module):
 
   # Training -----------------------------------------------------------------------------------
 
-  def hidden(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
-    """The final normalized hidden states ``[batch, seq, d_model]``."""
+  @staticmethod
+  def sequence_order(length: int):
+    """The order the blocks see a sequence of ``length`` in: None (as given) unless the mesh
+    in context splits the sequence (context parallelism), then the zig-zag order of
+    :func:`jaxfuse.parallel.zigzag_order`, which balances the causal ring attention."""
+    parts = parallel.mesh_size("seq")
+    return None if parts == 1 else parallel.zigzag_order(length, parts)
+
+  def _hidden(self, tokens, positions):
+    """The final hidden states in the blocks' order, with the positions the blocks saw."""
     if positions is None:
       positions = jnp.arange(tokens.shape[-1])
+    order = self.sequence_order(tokens.shape[-1])
+    if order is not None:
+      tokens, positions = tokens[..., order], positions[..., order]
     carry = self.apply_blocks(self.block_carry(tokens), positions)
     if isinstance(carry, tuple):
-      return self.norm.add(*carry)[0]
-    return self.norm(carry)
+      h = self.norm.add(*carry)[0]
+    else:
+      h = self.norm(carry)
+    return parallel.constrain(h, *FULL_SEQ), order
+
+  def hidden(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+    """The final normalized hidden states ``[batch, seq, d_model]``."""
+    h, order = self._hidden(tokens, positions)
+    return h if order is None else h[:, np.argsort(order)]
 
   def __call__(self, tokens: jax.Array, targets: jax.Array,
                positions: jax.Array | None = None) -> jax.Array:
     """The mean cross-entropy of ``targets`` (``IGNORE_INDEX`` where none; see
     :func:`next_token_targets`) given ``tokens``."""
-    h = self.hidden(tokens, positions)
+    h, order = self._hidden(tokens, positions)
+    if order is not None:
+      # The targets in the blocks' order, and the tokens sequence-major: the sequence is split
+      # over the mesh, so that flattening [seq, batch] into the loss's rows moves no data.
+      targets = targets[..., order]
+      h, targets = jnp.swapaxes(h, 0, 1), jnp.swapaxes(targets, 0, 1)
     if self.fused:
       return self.lm_head.loss(h, targets)
     logits = self.logits_from_hidden(h)

@@ -22,6 +22,7 @@ import jax
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxfuse.ops import bias_act, dense, glu, names
+from jaxfuse.parallel.rules import constrain
 from jaxfuse.remat.recompute import recompute as _recompute
 
 RECOMPUTE = ("activation", "block", None)
@@ -62,8 +63,11 @@ def gated_mlp(x: jax.Array, gate_kernel: jax.Array, up_kernel: jax.Array,
   """
 
   def block(x, gate_kernel, up_kernel, down_kernel, gate_bias, up_bias, down_bias):
-    gate = checkpoint_name(dense(x, gate_kernel, gate_bias, precision=precision), names.MLP_GATE)
-    up = checkpoint_name(dense(x, up_kernel, up_bias, precision=precision), names.MLP_UP)
+    # Under a mesh the hidden width is split (Megatron's column- then row-parallel MLP).
+    gate = checkpoint_name(constrain(dense(x, gate_kernel, gate_bias, precision=precision),
+                                     ..., "act_mlp"), names.MLP_GATE)
+    up = checkpoint_name(constrain(dense(x, up_kernel, up_bias, precision=precision),
+                                   ..., "act_mlp"), names.MLP_UP)
     hidden = checkpoint_name(glu(gate, up, activation, implementation=implementation),
                              names.MLP_HIDDEN)
     return checkpoint_name(dense(hidden, down_kernel, down_bias, precision=precision),
