@@ -35,6 +35,7 @@ SUITES = {
     "kernels": "benchmarks.suites.kernels",
     "train-cli": "benchmarks.suites.train_cli",
     "remat": "benchmarks.suites.remat",
+    "shard": "benchmarks.suites.shard",
 }
 # Options that say where tables go, left out of the command a table says it was written by.
 _OUTPUT_OPTIONS = ("--readme", "--headline")

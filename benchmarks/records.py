@@ -53,6 +53,8 @@ class Record:
     smem_bytes: shared memory per block, dynamic + static.
     occupancy: resident blocks per SM that the kernel's registers, shared memory and threads
       allow on ``arch``.
+    param_bytes: the parameters' bytes on one device (their largest shards, under a mesh).
+    collective_bytes: bytes of every collective of the compiled step, on one device.
     max_abs_err: largest output error against ``reference``.
     max_grad_err: largest gradient error (inputs and parameters) against ``reference``.
     reference: what the errors are taken against.
@@ -83,6 +85,8 @@ class Record:
   stack_bytes: int | None = None
   smem_bytes: int | None = None
   occupancy: int | None = None
+  param_bytes: int | None = None
+  collective_bytes: int | None = None
   max_abs_err: float | None = None
   max_grad_err: float | None = None
   reference: str | None = None
@@ -166,6 +170,8 @@ CELLS: dict[str, Callable[[Record], str]] = {
     "residual": lambda r: format_bytes(r.residual_bytes),
     "bytes moved": lambda r: format_bytes(r.bytes_moved),
     "XLA bytes": lambda r: format_bytes(r.xla_bytes_accessed),
+    "params": lambda r: format_bytes(r.param_bytes),
+    "collectives": lambda r: format_bytes(r.collective_bytes),
     "max err": lambda r: format_err(r.max_abs_err),
     "max grad err": lambda r: format_err(r.max_grad_err),
     "arch": lambda r: r.arch or "—",
@@ -189,6 +195,9 @@ SUITE_COLUMNS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
                  "note"),
                 ("case", "impl", "dtype", "arch", "regs", "spill", "smem", "blocks/SM", "note")),
     "train-cli": (("case", "impl", "dtype", "final loss", "note"),) * 2,
+    "shard": (("case", "impl", "median ms", "residual", "params", "collectives", "max err",
+               "max grad err", "note"),
+              ("case", "impl", "residual", "params", "collectives", "max err", "note")),
     "remat": (("case", "impl", "median ms", "ratio", "residual", "budget", "GFLOP",
                "max grad err", "note"),
               ("case", "impl", "median ms", "ratio", "residual", "budget", "GFLOP",

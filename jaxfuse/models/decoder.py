@@ -119,13 +119,25 @@ class Attention(nnx.Module):
     self.v_proj = _linear(cfg, cfg.d_model, cfg.kv_heads * hd, cfg.qkv_bias, rngs)
     self.o_proj = _linear(cfg, cfg.num_heads * hd, cfg.d_model, cfg.o_bias, rngs)
 
+  def _qkv(self, x):
+    """The column-parallel q, k and v projections: under a mesh their outputs are split by
+    heads. With sequence parallelism their input is gathered over the sequence first, and the
+    backward pass gathers it again instead of keeping the whole sequence on every device
+    (Megatron's choice; the MLP's recomputed block does the same)."""
+
+    def project(x):
+      return tuple(parallel.constrain(_project(proj, x, self.fused), ..., axis)
+                   for proj, axis in ((self.q_proj, "act_heads"), (self.k_proj, "act_kv_heads"),
+                                      (self.v_proj, "act_kv_heads")))
+
+    if parallel.mesh_size("residual_seq") > parallel.mesh_size("seq"):
+      project = jax.checkpoint(project, policy=jax.checkpoint_policies.nothing_saveable)
+    return project(x)
+
   def _heads(self, x, positions):
     cfg, hd = self.cfg, self.cfg.head_dim
     lead = x.shape[:-1]
-    # Column-parallel projections: under a mesh their outputs are split by heads.
-    q, k, v = (parallel.constrain(_project(proj, x, self.fused), ..., axis)
-               for proj, axis in ((self.q_proj, "act_heads"), (self.k_proj, "act_kv_heads"),
-                                  (self.v_proj, "act_kv_heads")))
+    q, k, v = self._qkv(x)
     q = q.reshape(*lead, cfg.num_heads, hd)
     k, v = k.reshape(*lead, cfg.kv_heads, hd), v.reshape(*lead, cfg.kv_heads, hd)
     q = parallel.constrain(rotary_embedding(q, positions, base=cfg.rope_theta), *HEADS)

@@ -68,8 +68,10 @@ def embed(table: jax.Array, tokens: jax.Array,
       table = lax.all_gather(table, gathered, axis=1, tiled=True)
     rows = table.shape[0]
     rel = ids - lax.axis_index(vocab_axes) * rows
-    inside = (rel >= 0) & (rel < rows)
-    x = jnp.where(inside[..., None], jnp.take(table, jnp.clip(rel, 0, rows - 1), axis=0), 0)
+    # Tokens of other slices read zeros (an index past the end, filled), so that the backward
+    # keeps only the indices and scatters into this slice alone.
+    rel = jnp.where((rel >= 0) & (rel < rows), rel, rows)
+    x = jnp.take(table, rel, axis=0, mode="fill", fill_value=0)
     if scatter:
       return lax.psum_scatter(x, scatter, scatter_dimension=1, tiled=True)
     return lax.psum(x, vocab_axes)
