@@ -25,11 +25,19 @@ preset or MaxText recipe (:mod:`jaxfuse.remat.policies`) to every block; ``--rem
 within that share of the residual bytes without recomputation (:func:`jaxfuse.remat.plan`;
 ``--remat-choices`` narrows what it may choose) and prints the plan; ``--segments sqrt`` adds
 √L segment checkpointing; ``--scan-layers`` runs the blocks as one scan.
+
+Parallelism: ``--mesh data=2,fsdp=2,tensor=2`` (any of the axes ``data``, ``fsdp``,
+``context``, ``tensor`` of :mod:`jaxfuse.parallel`, whose sizes multiply to the device count)
+trains on a device mesh: parameters and optimizer state placed by their logical axes, each batch
+split over ``data`` and ``fsdp`` (and its sequence over ``context``). On a CPU,
+``XLA_FLAGS=--xla_force_host_platform_device_count=8`` gives 8 simulated devices. Across hosts,
+``--distributed`` calls ``jax.distributed.initialize()`` first; every host runs the same command.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -43,8 +51,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from jaxfuse import remat
+from jaxfuse import parallel, remat
 from jaxfuse.models import Decoder, DecoderConfig, UnsupportedConfigError, generate
 
 LN2 = math.log(2.0)
@@ -118,6 +128,8 @@ class TrainConfig:
   remat_choices: str | None = None  # what the plan may choose, comma-separated
   segments: str | None = None       # "sqrt" or a number of blocks per checkpointed segment
   scan_layers: bool = False         # stacked blocks under one scan
+  mesh: str | None = None           # "data=2,fsdp=2,tensor=2": train on a device mesh
+  distributed: bool = False         # jax.distributed.initialize() first (one process a host)
   init_from: str | None = None
   out: str = "runs/jaxfuse-train"
   resume: bool = False
@@ -154,6 +166,38 @@ def _check(cfg: TrainConfig) -> None:
     for choice in _choices(cfg):
       remat.choice_policy(choice)
   _segments(cfg)
+  if cfg.mesh is not None:
+    _mesh_shape(cfg)
+
+
+def _mesh(cfg: TrainConfig) -> jax.sharding.Mesh | None:
+  """The ``--mesh`` over every device (of every host), or None without one."""
+  if cfg.mesh is None:
+    return None
+  shape = _mesh_shape(cfg)
+  devices = math.prod(shape.values())
+  if devices != jax.device_count():
+    hint = (f"; on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count={devices} simulates "
+            f"them" if jax.default_backend() == "cpu" else "")
+    raise ValueError(f"--mesh {cfg.mesh} needs {devices} devices, jax sees "
+                     f"{jax.device_count()}{hint}")
+  return parallel.make_mesh(shape)
+
+
+def _mesh_shape(cfg: TrainConfig) -> dict[str, int]:
+  """The ``--mesh`` axes, checked against the batch's shape."""
+  shape = parallel.parse_mesh(cfg.mesh)
+  rows = shape.get("data", 1) * shape.get("fsdp", 1)
+  if cfg.batch % rows:
+    raise ValueError(f"--batch {cfg.batch} must be a multiple of data x fsdp = {rows}")
+  parts = shape.get("context", 1)
+  if parts > 1 and cfg.seq % (2 * parts):
+    raise ValueError(f"--seq {cfg.seq} must be a multiple of 2 x context = {2 * parts} (the "
+                     f"zig-zag order of ring attention)")
+  if cfg.baseline and parts > 1:
+    raise ValueError("--baseline cannot run context parallel (its attention is not a ring): "
+                     "drop context= from --mesh")
+  return shape
 
 
 def _segments(cfg: TrainConfig):
@@ -205,9 +249,11 @@ def build(cfg: TrainConfig) -> tuple[Decoder, nnx.Optimizer]:
   return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
 
 
-def _steps(model: Decoder, optimizer: nnx.Optimizer):
-  """Jitted ``train(state, tokens, targets) -> (state, loss)`` and ``evaluate(state, tokens,
-  targets) -> loss`` over the split state of ``(model, optimizer)``."""
+def _steps(model: Decoder, optimizer: nnx.Optimizer, mesh: jax.sharding.Mesh | None = None):
+  """``(graphdef, state, train, evaluate)``: jitted ``train(state, tokens, targets) -> (state,
+  loss)`` and ``evaluate(state, tokens, targets) -> loss`` over the split state of ``(model,
+  optimizer)``; with a ``mesh``, the state placed there by its logical axes (and kept so by
+  ``train``). Call them under ``jax.set_mesh(mesh)``: the model reads the mesh as it traces."""
   graphdef, state = nnx.split((model, optimizer))
 
   def train(state, tokens, targets):
@@ -216,12 +262,29 @@ def _steps(model: Decoder, optimizer: nnx.Optimizer):
     optimizer.update(model, grads)
     return nnx.state((model, optimizer)), loss
 
-  @jax.jit
   def evaluate(state, tokens, targets):
     model, _ = nnx.merge(graphdef, state)
     return model(tokens, targets)
 
-  return graphdef, state, jax.jit(train, donate_argnums=0), evaluate
+  if mesh is None:
+    return graphdef, state, jax.jit(train, donate_argnums=0), jax.jit(evaluate)
+  state = parallel.place(state, mesh)
+  loss = NamedSharding(mesh, P())
+  shardings = jax.tree.map(lambda x: x.sharding, state)
+  return (graphdef, state, jax.jit(train, donate_argnums=0, out_shardings=(shardings, loss)),
+          jax.jit(evaluate, out_shardings=loss))
+
+
+def place_batch(arrays: tuple[np.ndarray, ...], mesh: jax.sharding.Mesh | None) -> tuple:
+  """Token arrays ``[batch, seq]`` split over ``mesh`` as the logical axes ``("batch", "seq")``
+  say. Every process holds the whole (seeded) batch and contributes its devices' slices, so the
+  same code runs on one host and across hosts."""
+  if mesh is None:
+    return arrays
+  spec = parallel.logical_spec(("batch", "seq"), mesh, arrays[0].shape)
+  sharding = NamedSharding(mesh, spec)
+  return tuple(jax.make_array_from_callback(a.shape, sharding, lambda index, a=a: a[index])
+               for a in arrays)
 
 
 # Checkpoints -------------------------------------------------------------------------------------
@@ -281,7 +344,10 @@ def _progress():
 
 def train(cfg: TrainConfig, *, log=print) -> dict:
   """Runs training as configured; returns (and writes to ``cfg.out``) the run's log."""
+  if cfg.distributed:
+    jax.distributed.initialize()   # coordinator and process ids from the cluster's environment
   _check(cfg)
+  mesh = _mesh(cfg)
   out = Path(cfg.out)
   out.mkdir(parents=True, exist_ok=True)
   train_data, val_data = stdlib_corpus()
@@ -295,13 +361,14 @@ def train(cfg: TrainConfig, *, log=print) -> dict:
     plan = remat.plan(lambda m, b: m(*b), model, first, budget, choices=_choices(cfg))
     model.set_remat(plan, _segments(cfg))
     log(str(plan))
-  graphdef, state, train_step, eval_step = _steps(model, optimizer)
+  graphdef, state, train_step, eval_step = _steps(model, optimizer, mesh)
+  on_mesh = contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
   manager = _manager(out / "checkpoints")
   history = {"step": [], "loss": [], "val_step": [], "val_loss": []}
   start = 0
   if cfg.resume:
     restored = restore_checkpoint(manager, jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state))
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state))
     if restored is None:
       log(f"--resume: no checkpoint in {out / 'checkpoints'}; starting at step 0")
     else:
@@ -311,7 +378,7 @@ def train(cfg: TrainConfig, *, log=print) -> dict:
   elif manager.latest_step() is not None:
     raise FileExistsError(f"{out / 'checkpoints'} holds checkpoints of another run: pass "
                           f"--resume to continue it, or another --out")
-  val_batches = [batch_at(val_data, i, cfg.batch, cfg.seq, cfg.seed, stream=1)
+  val_batches = [place_batch(batch_at(val_data, i, cfg.batch, cfg.seq, cfg.seed, stream=1), mesh)
                  for i in range(cfg.eval_batches)]
 
   def validate(state):
@@ -321,11 +388,12 @@ def train(cfg: TrainConfig, *, log=print) -> dict:
   progress = _progress()
   started = time.perf_counter()
   timed_steps, timed_seconds = 0, 0.0
-  with progress or _nothing():
+  with on_mesh, progress or contextlib.nullcontext():
     task = progress.add_task("train", total=cfg.steps, completed=start, status="") \
         if progress else None
     for step in range(start, cfg.stop_at or cfg.steps):
-      tokens, targets = batch_at(train_data, step, cfg.batch, cfg.seq, cfg.seed)
+      tokens, targets = place_batch(batch_at(train_data, step, cfg.batch, cfg.seq, cfg.seed),
+                                    mesh)
       t0 = time.perf_counter()
       state, loss = train_step(state, tokens, targets)
       loss = float(loss)
@@ -354,6 +422,7 @@ def train(cfg: TrainConfig, *, log=print) -> dict:
   result = {
       "config": _as_json(cfg),
       "model": model.cfg.as_dict(),
+      "mesh": None if mesh is None else dict(mesh.shape),
       "unigram_entropy_bits_per_byte": entropy,
       "final_loss_bits_per_byte": history["loss"][-1] / LN2 if history["loss"] else None,
       "final_val_loss_bits_per_byte": (history["val_loss"][-1] / LN2
@@ -408,14 +477,6 @@ def plot_losses(history: dict, entropy: float, path: Path) -> None:
 
 def _as_json(cfg: TrainConfig) -> dict:
   return dataclasses.asdict(cfg)
-
-
-class _nothing:
-  def __enter__(self):
-    return None
-
-  def __exit__(self, *exc):
-    return False
 
 
 # Command line ------------------------------------------------------------------------------------

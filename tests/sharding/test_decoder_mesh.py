@@ -5,12 +5,10 @@ collectives its analysis says, per layer."""
 from __future__ import annotations
 
 import functools
-import re
 from collections import Counter
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import NamedSharding

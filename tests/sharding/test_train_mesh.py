@@ -1,0 +1,58 @@
+"""``python -m jaxfuse.train --mesh`` on 8 simulated devices: the same losses as one device,
+step by step, for each parallel strategy; a resumed run on a mesh continues exactly; a mesh that
+does not fit the devices or the batch is refused by name."""
+
+import numpy as np
+import pytest
+
+from jaxfuse import train
+from tests import helpers
+
+TINY = ["--steps", "4", "--batch", "8", "--seq", "16", "--d-model", "16", "--layers", "2",
+        "--heads", "4", "--kv-heads", "2", "--mlp", "32", "--warmup", "1", "--eval-every", "2",
+        "--eval-batches", "2", "--save-every", "2", "--sample-tokens", "0"]
+
+
+def _run(out, *extra):
+  cfg = train.parse_args([*TINY, "--out", str(out), *extra])
+  return train.train(cfg, log=lambda *_: None)
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+  return _run(tmp_path_factory.mktemp("single"))["history"]
+
+
+@pytest.mark.parametrize("mesh", ["data=2,fsdp=2,tensor=2", "data=2,context=2,tensor=2",
+                                  "fsdp=8"])
+def test_training_on_a_mesh_gives_the_single_device_losses(tmp_path, single, mesh):
+  result = _run(tmp_path / "run", "--mesh", mesh)
+  assert result["mesh"] == {"data": 1, "fsdp": 1, "context": 1, "tensor": 1,
+                            **train.parallel.parse_mesh(mesh)}
+  history = result["history"]
+  assert history["step"] == single["step"]
+  helpers.assert_close(np.asarray(history["loss"]), np.asarray(single["loss"]), rtol=1e-5,
+                       atol=0)
+  helpers.assert_close(np.asarray(history["val_loss"]), np.asarray(single["val_loss"]),
+                       rtol=1e-5, atol=0)
+
+
+def test_a_resumed_run_on_a_mesh_continues_exactly(tmp_path):
+  mesh = ("--mesh", "data=2,fsdp=2,tensor=2")
+  whole = _run(tmp_path / "whole", *mesh)
+  _run(tmp_path / "resumed", *mesh, "--stop-at", "2")
+  resumed = _run(tmp_path / "resumed", *mesh, "--resume")
+  assert resumed["history"] == whole["history"]
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--mesh", "data=4"], "--mesh data=4 needs 4 devices, jax sees 8"),
+    (["--mesh", "data=8", "--batch", "12"], "--batch 12 must be a multiple of data x fsdp = 8"),
+    (["--mesh", "context=8", "--seq", "24"], "--seq 24 must be a multiple of 2 x context = 16"),
+    (["--mesh", "model=8"], "--mesh: expected comma-separated AXIS=SIZE"),
+    (["--mesh", "context=8", "--baseline"], "--baseline cannot run context parallel"),
+])
+def test_a_mesh_that_does_not_fit_is_refused(tmp_path, capsys, extra, message):
+  assert train.main([*TINY, "--out", str(tmp_path / "run"), *extra]) == 2
+  assert message in capsys.readouterr().err
+  assert not (tmp_path / "run").exists()
