@@ -1,9 +1,9 @@
-"""``act(x + bias)`` fused, keeping only the inputs for the backward pass.
+"""``activation(x + bias)`` fused, keeping only the inputs for the backward pass.
 
-The forward reads ``x`` and the bias and writes the result. The backward recomputes ``x + bias``
-from the inputs (nothing else is kept), writes ``dx = g * act'(x + bias)`` and reduces it over
-every leading axis into the bias gradient. Low-precision inputs are computed in float32 and rounded
-once; the bias gradient is accumulated in float32.
+The forward reads ``x`` and the bias and writes the result. The backward recomputes
+``x + bias`` from the inputs (nothing else is kept), writes ``dx = g * activation'(x + bias)``
+and reduces it over every leading axis into the bias gradient. Low-precision inputs are
+computed in float32 and rounded once; the bias gradient is accumulated in float32.
 """
 
 from __future__ import annotations
@@ -15,19 +15,20 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxfuse.kernels.pallas import bias_activation as pallas_bias_activation
 from jaxfuse.ops import activation_grads, activations, base, checks, partitioning
 
-BIAS_ACT = base.Op("bias_act", ("pallas", "triton", "xla"), base.ELEMENTWISE_GPU_ORDER)
+BIAS_ACT = base.Op("bias_act", "bias_activation", base.ELEMENTWISE_GPU_ORDER)
 BIAS_ACT_ACTIVATIONS = ("gelu", "gelu_tanh", "silu", "relu", "squared_relu")
 
 
 # Reference --------------------------------------------------------------------------------------
 
 
-def bias_act_reference(x: jax.Array, bias: jax.Array, act: str | Callable = "gelu") -> jax.Array:
-  """Plain-jnp ``act(x + bias)``, computed in float32 for low-precision inputs."""
-  fn = activations.get(act, arg="act", op="bias_act_reference")
+def bias_act_reference(x: jax.Array, bias: jax.Array, activation: str | Callable = "gelu", *,
+                       act: str | Callable | None = None) -> jax.Array:
+  """Plain-jnp ``activation(x + bias)``, computed in float32 for low-precision inputs."""
+  activation = checks.renamed("bias_act_reference", "act", "activation", act, activation)
+  fn = activations.get(activation, op="bias_act_reference")
   cd = base.compute_dtype(x.dtype)
   return fn(x.astype(cd) + bias.astype(cd)).astype(x.dtype)
 
@@ -47,42 +48,36 @@ def _check(op, x, bias):
 
 @dataclasses.dataclass(frozen=True)
 class _Config(base.Config):
-  fn: Callable
-  name: str | None   # the activation's registry name (the Triton kernels take names only)
+  activation: str | Callable   # its name when it has one (the Triton kernels take names only)
 
 
-def _config(act, implementation) -> _Config:
-  op = BIAS_ACT.name
-  cfg = _Config(**BIAS_ACT.backend(implementation), fn=activations.get(act, arg="act", op=op),
-                name=activations.name_of(act))
-  if cfg.impl == "triton":
-    from jaxfuse.kernels.triton import bias_activation as triton_bias_activation
-
-    if cfg.name not in triton_bias_activation.ACTIVATIONS:
-      raise ValueError(f"{op}: implementation='triton' supports the named activations "
-                       f"{triton_bias_activation.ACTIVATIONS}, got act={act!r}")
-  return cfg
+def _config(activation, implementation) -> _Config:
+  activation = activations.canonical(activation, op=BIAS_ACT.name)
+  return BIAS_ACT.config(implementation, _Config, facts={"activation": activation},
+                         activation=activation)
 
 
 # The op -----------------------------------------------------------------------------------------
 
 
-def bias_act(x: jax.Array, bias: jax.Array, act: str | Callable = "gelu", *,
-             implementation: str | None = None) -> jax.Array:
-  """``act(x + bias)`` over the last axis, fused, keeping only the inputs for the backward.
+def bias_act(x: jax.Array, bias: jax.Array, activation: str | Callable = "gelu", *,
+             implementation: str | None = None, act: str | Callable | None = None) -> jax.Array:
+  """``activation(x + bias)`` over the last axis, fused, keeping only the inputs for the backward.
 
   Args:
     x: a float array ``(..., features)`` (float32, bfloat16 or float16), e.g. a matmul output.
     bias: ``(features,)``, the same dtype as ``x``.
-    act: ``"gelu"`` (exact, as ``F.gelu``), ``"gelu_tanh"`` (``F.gelu(approximate="tanh")``),
+    activation: ``"gelu"`` (exact, as ``F.gelu``), ``"gelu_tanh"``
+      (``F.gelu(approximate="tanh")``),
       ``"silu"``, ``"relu"``, ``"squared_relu"``, another name from
       :data:`jaxfuse.ops.activations.ACTIVATIONS`, or an elementwise jnp function (not with
       ``implementation="triton"``).
     implementation: ``None`` (XLA: it fuses this chain by itself), ``"pallas"``, ``"triton"``
       or ``"xla"``.
+    act: the former name of ``activation`` (deprecated).
 
   Returns:
-    ``act(x + bias)`` in the dtype of ``x``. Its gradient for ``bias`` is the sum over every
+    ``activation(x + bias)`` in the dtype of ``x``. Its gradient for ``bias`` is the sum over every
     leading axis of ``x``.
 
   Example:
@@ -91,41 +86,35 @@ def bias_act(x: jax.Array, bias: jax.Array, act: str | Callable = "gelu", *,
     >>> bias_act(jnp.array([[1.0, -2.0]]), jnp.array([0.5, 1.0]), "relu")
     Array([[1.5, 0. ]], dtype=float32)
   """
+  activation = checks.renamed(BIAS_ACT.name, "act", "activation", act, activation)
   _check(BIAS_ACT.name, x, bias)
-  cfg = _config(act, implementation)
-  with jax.named_scope(f"jaxfuse.bias_act[{cfg.name or 'fn'}]"):
+  cfg = _config(activation, implementation)
+  with jax.named_scope(f"jaxfuse.bias_act[{activations.name_of(cfg.activation) or 'fn'}]"):
     return _bias_act(x, bias, cfg)
 
 
 # Forward and backward ---------------------------------------------------------------------------
 
 
-def _xla_forward(x, bias, fn):
+def _xla_forward(x, bias, activation):
   cd = base.compute_dtype(x.dtype)
-  return activation_grads.value(fn, x.astype(cd) + bias.astype(cd)).astype(x.dtype)
+  return activation_grads.value(activation, x.astype(cd) + bias.astype(cd)).astype(x.dtype)
 
 
-def _xla_backward(x, bias, g, fn):
+def _xla_backward(x, bias, g, activation):
   cd = base.compute_dtype(x.dtype)
-  _, grad = activation_grads.value_and_grad(fn, x.astype(cd) + bias.astype(cd))
+  _, grad = activation_grads.value_and_grad(activation, x.astype(cd) + bias.astype(cd))
   dz = g.astype(cd) * grad
   dbias = jnp.sum(dz.astype(jnp.float32), axis=tuple(range(x.ndim - 1)))
   return dz.astype(x.dtype), dbias.astype(bias.dtype)
 
 
-def _kernels(cfg):
-  """The forward and backward kernels of ``cfg.impl`` over 2-D rows."""
-  if cfg.impl == "pallas":
-    forward = functools.partial(pallas_bias_activation.bias_act_forward, fn=cfg.fn,
-                                interpret=cfg.interpret)
-    backward = functools.partial(pallas_bias_activation.bias_act_backward, fn=cfg.fn,
-                                 interpret=cfg.interpret)
-    return forward, backward
-  from jaxfuse.kernels.triton import bias_activation as triton_bias_activation
-
-  forward = functools.partial(triton_bias_activation.bias_act_forward, act=cfg.name)
-  backward = functools.partial(triton_bias_activation.bias_act_backward, act=cfg.name)
-  return forward, backward
+def _xla_backward_apart(x, bias, g, activation):
+  """:func:`_xla_backward` behind a barrier, which keeps XLA from sharing the activation's
+  intermediates with the forward pass (which would write them to memory and read them back):
+  the backward is one fused loop over the inputs, plus the bias reduction."""
+  x, bias, g = jax.lax.optimization_barrier((x, bias, g))
+  return _xla_backward(x, bias, g, activation)
 
 
 def _rule(x, *, backward: bool) -> partitioning.Rule:
@@ -138,23 +127,16 @@ def _rule(x, *, backward: bool) -> partitioning.Rule:
 
 
 def _forward(x, bias, cfg):
-  if cfg.impl in ("pallas", "triton"):
-    kernel, _ = _kernels(cfg)
-    twin = functools.partial(_xla_forward, fn=cfg.fn)
-    return base.kernel_call(kernel, twin, x, bias, rule=_rule(x, backward=False))
-  return _xla_forward(x, bias, cfg.fn)
+  twin = functools.partial(_xla_forward, activation=cfg.activation)
+  return cfg.run("bias_act_forward", twin, x, bias, rule=_rule(x, backward=False),
+                 activation=cfg.activation)
 
 
 def _backward(x, bias, g, cfg):
-  if cfg.impl in ("pallas", "triton"):
-    _, kernel = _kernels(cfg)
-    twin = functools.partial(_xla_backward, fn=cfg.fn)
-    return base.kernel_call(kernel, twin, x, bias, g, rule=_rule(x, backward=True))
-  # The barrier keeps XLA from sharing the activation's intermediates with the forward pass
-  # (which would write them to memory and read them back): the backward is one fused loop over
-  # the inputs, plus the bias reduction.
-  x, bias, g = jax.lax.optimization_barrier((x, bias, g))
-  return _xla_backward(x, bias, g, cfg.fn)
+  twin = functools.partial(_xla_backward, activation=cfg.activation)
+  return cfg.run("bias_act_backward", twin, x, bias, g, rule=_rule(x, backward=True),
+                 xla=functools.partial(_xla_backward_apart, activation=cfg.activation),
+                 activation=cfg.activation)
 
 
 # The custom VJP ---------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import jax
@@ -52,3 +53,13 @@ def dim(op: str, name: str, x, axis: int, expected: int, what: str) -> None:
 
 def as_array(x) -> jax.Array:
   return x if isinstance(x, jax.Array) or hasattr(x, "aval") else jnp.asarray(x)
+
+
+def renamed(op: str, old: str, new: str, old_value, new_value):
+  """``new_value``, or ``old_value`` passed under a keyword's former name ``old`` (with a
+  DeprecationWarning); kept for one release after a rename."""
+  if old_value is None:
+    return new_value
+  warnings.warn(f"{op}: the keyword {old}= is deprecated, use {new}=", DeprecationWarning,
+                stacklevel=3)
+  return old_value

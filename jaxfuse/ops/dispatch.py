@@ -1,10 +1,13 @@
-"""Choosing an implementation for an op: ``implementation=None | "pallas" | "triton" | "xla"``.
+"""The kinds of implementation an op can have, where each runs, and how a call picks one.
 
-Every op declares which implementations it has and, per platform, the order in which
-``implementation=None`` tries them (:class:`jaxfuse.ops.base.Op`; on CPUs always XLA, on GPUs
-by one rule: XLA first for elementwise ops and matmuls, the kernels first for the rest). An implementation asked for by name that cannot run here
-raises :class:`ImplementationUnavailableError`, naming the ones that can; nothing falls back
-silently.
+Every op is ``implementation=None | "pallas" | "triton" | "xla"``. The three kinds are one
+table, :data:`KINDS`: the platforms each compiles for, what else it needs (jax-triton for the
+Triton kernels), the package its kernel modules live in, and whether it runs on CPU in
+interpret mode. An op declares which kinds it has and its ``None`` order once, in its
+:class:`jaxfuse.ops.base.Op`; everything else (this module's :func:`resolve`, the lazy import
+of its kernel modules, the benchmark rows, the parity tests, the kernel-resource report) reads
+that declaration. An implementation asked for by name that cannot run here raises
+:class:`ImplementationUnavailableError`, naming the ones that can; nothing falls back silently.
 
 Pallas kernels need a GPU. On CPU they run only in interpret mode, which is correct but about a
 thousand times slower than XLA, so it is for tests::
@@ -19,15 +22,14 @@ traced: a function already jit-compiled outside the context keeps its compiled k
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib.util
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import jax
-
-IMPLEMENTATIONS = ("pallas", "triton", "xla")
 
 _state = threading.local()
 
@@ -111,55 +113,105 @@ def pallas_triton_current() -> bool:
   return version < PALLAS_TRITON_DEPRECATED_IN
 
 
+# The kinds of implementation ---------------------------------------------------------------------
+
+
+def _always() -> bool:
+  return True
+
+
+def _jax_triton() -> bool:
+  # Looked up at call time, so that tests can stand jax-triton in (tests/triton_interpreter.py).
+  return jax_triton_importable()
+
+
+@dataclasses.dataclass(frozen=True)
+class Kind:
+  """A kind of implementation: where it compiles and where its kernels live.
+
+  Attributes:
+    name: ``"xla"``, ``"pallas"`` or ``"triton"``: the value of ``implementation=``.
+    platforms: the platforms it compiles for natively.
+    requires: what else it needs, as a check (``jax_triton`` importable for Triton).
+    package: the package of its kernel modules (None: the op's own jnp formulas).
+    interpretable: whether it runs on CPU in interpret mode (:func:`pallas_interpret`),
+      passing ``interpret=`` to its kernels.
+    missing: what to do when ``requires`` fails, for the error message.
+  """
+
+  name: str
+  platforms: tuple[str, ...]
+  requires: Callable[[], bool] = _always
+  package: str | None = None
+  interpretable: bool = False
+  missing: str = ""
+
+  def runs_natively(self) -> bool:
+    return platform() in self.platforms and self.requires()
+
+  def why_not(self) -> str:
+    if platform() not in self.platforms:
+      how = ("; on CPU enable interpret mode with `with jaxfuse.pallas_interpret():` or "
+             "JAXFUSE_PALLAS_INTERPRET=1 (slow, for tests)") if self.interpretable else ""
+      where = " or ".join(p.upper() for p in self.platforms)
+      return f"{self.name.capitalize()} kernels need a {where}{how}"
+    return self.missing
+
+
+KINDS: dict[str, Kind] = {kind.name: kind for kind in (
+    Kind("pallas", ("gpu",), package="jaxfuse.kernels.pallas", interpretable=True),
+    Kind("triton", ("gpu",), _jax_triton, package="jaxfuse.kernels.triton",
+         missing="Triton kernels need jax-triton (pip install 'jaxfuse[gpu]')"),
+    Kind("xla", ("cpu", "gpu", "tpu")),
+)}
+IMPLEMENTATIONS = tuple(KINDS)
+
+
 def runs_natively(implementation: str) -> bool:
   """Whether ``implementation`` compiles for the current platform (interpret mode aside)."""
-  if implementation == "xla":
-    return True
-  if implementation == "pallas":
-    return on_gpu()
-  if implementation == "triton":
-    return on_gpu() and jax_triton_importable()
-  return False
+  kind = KINDS.get(implementation)
+  return kind is not None and kind.runs_natively()
 
 
 def can_run(implementation: str) -> bool:
   """Whether ``implementation`` can run here, counting Pallas interpret mode."""
-  if implementation == "pallas" and interpret_enabled():
+  kind = KINDS.get(implementation)
+  if kind is not None and kind.interpretable and interpret_enabled():
     return True
   return runs_natively(implementation)
 
 
-def _why_not(implementation: str) -> str:
-  if implementation == "pallas":
-    return ("Pallas kernels need a GPU; on CPU enable interpret mode with "
-            "`with jaxfuse.pallas_interpret():` or JAXFUSE_PALLAS_INTERPRET=1 (slow, for tests)")
-  if implementation == "triton":
-    if not on_gpu():
-      return "Triton kernels need a GPU"
-    return "Triton kernels need jax-triton (pip install 'jaxfuse[gpu]')"
-  return "unknown reason"
+def interprets(implementation: str) -> bool:
+  """Whether ``implementation``'s kernels are traced in interpret mode here."""
+  return KINDS[implementation].interpretable and not runs_natively(implementation)
 
 
 def resolve(op: str, implementation: str | None, supported: Sequence[str],
-            preference: dict[str, Sequence[str]] | None = None) -> str:
+            preference: dict[str, Sequence[str]] | None = None,
+            refuses: Callable[[str], str | None] | None = None) -> str:
   """Returns the implementation ``op`` runs with.
 
   Args:
     op: the op's name, for error messages.
-    implementation: what the caller asked for; ``None`` picks the first runnable entry of
-      ``preference[platform()]`` (default: ``supported`` in order, XLA last).
+    implementation: what the caller asked for; ``None`` picks the first entry of
+      ``preference[platform()]`` that runs natively and does not refuse the call (default:
+      ``supported`` in the order of :data:`KINDS`, XLA last).
     supported: the implementations the op has.
     preference: per platform, the order ``None`` tries (see :mod:`jaxfuse.ops.base` for the
       rule the ops follow).
+    refuses: for an implementation, why it cannot take this call's arguments (None: it can):
+      the limits of its kernels (a row too wide for their tiles, an activation they lack).
 
   Raises:
-    ValueError: ``implementation`` is not a known name or the op does not have it.
+    ValueError: ``implementation`` is not a known name, the op does not have it, or its
+      kernels refuse the arguments.
     ImplementationUnavailableError: the op has it but it cannot run here.
   """
+  refuses = refuses or (lambda name: None)
   if implementation is None:
     order = (preference or {}).get(platform(), None) or _default_order(supported)
     for name in order:
-      if name in supported and runs_natively(name):
+      if name in supported and runs_natively(name) and refuses(name) is None:
         return name
     return "xla"
   if not isinstance(implementation, str) or implementation not in IMPLEMENTATIONS:
@@ -172,11 +224,15 @@ def resolve(op: str, implementation: str | None, supported: Sequence[str],
     here = [name for name in supported if can_run(name)]
     raise ImplementationUnavailableError(
         f"{op}: implementation={implementation!r} cannot run on platform "
-        f"{platform()!r}: {_why_not(implementation)}. Available here: {here}")
+        f"{platform()!r}: {KINDS[implementation].why_not()}. Available here: {here}")
+  reason = refuses(implementation)
+  if reason is not None:
+    others = [name for name in supported if name != implementation and refuses(name) is None]
+    use = " or ".join(repr(name) for name in others)
+    raise ValueError(f"{op}: implementation={implementation!r} {reason}"
+                     + (f"; use {use}" if use else ""))
   return implementation
 
 
 def _default_order(supported: Sequence[str]) -> list[str]:
-  if on_gpu():
-    return [name for name in ("pallas", "triton", "xla") if name in supported]
-  return ["xla"]
+  return [name for name in IMPLEMENTATIONS if name in supported and KINDS[name].runs_natively()]

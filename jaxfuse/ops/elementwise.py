@@ -15,23 +15,23 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxfuse.kernels.pallas import elementwise as pallas_elementwise
 from jaxfuse.ops import activation_grads, activations, base, checks, partitioning
 
-ADD_ACT = base.Op("add_act", ("pallas", "triton", "xla"), base.ELEMENTWISE_GPU_ORDER)
-ADD_ACT_UNFUSED = base.Op("add_act_unfused", ("pallas", "triton", "xla"),
-                          ("pallas", "triton", "xla"))
-RELU = base.Op("relu", ("pallas", "triton", "xla"), base.ELEMENTWISE_GPU_ORDER)
+ADD_ACT = base.Op("add_act", "elementwise", base.ELEMENTWISE_GPU_ORDER)
+ADD_ACT_UNFUSED = base.Op("add_act_unfused", "elementwise", base.KERNEL_GPU_ORDER)
+RELU = base.Op("relu", "elementwise", base.ELEMENTWISE_GPU_ORDER)
 
 
 # Reference --------------------------------------------------------------------------------------
 
 
-def add_act_reference(a: jax.Array, b: jax.Array, fn: str | Callable = "relu") -> jax.Array:
-  """Plain-jnp ``fn(a + b)``, computed in float32 for low-precision inputs."""
-  fn = activations.get(fn, op="add_act_reference")
+def add_act_reference(a: jax.Array, b: jax.Array, activation: str | Callable = "relu", *,
+                      fn: str | Callable | None = None) -> jax.Array:
+  """Plain-jnp ``activation(a + b)``, computed in float32 for low-precision inputs."""
+  activation = checks.renamed("add_act_reference", "fn", "activation", fn, activation)
+  act = activations.get(activation, op="add_act_reference")
   cd = base.compute_dtype(a.dtype)
-  return fn(a.astype(cd) + b.astype(cd)).astype(a.dtype)
+  return act(a.astype(cd) + b.astype(cd)).astype(a.dtype)
 
 
 # Checks -----------------------------------------------------------------------------------------
@@ -46,40 +46,38 @@ def _check(op, a, b):
 
 @dataclasses.dataclass(frozen=True)
 class _Config(base.Config):
-  fn: Callable
-  name: str | None   # the activation's registry name (the Triton kernels take names only)
+  activation: str | Callable   # its name when it has one (the Triton kernels take names only)
 
 
-def _config(op: base.Op, fn, implementation) -> _Config:
-  fn_callable = activations.get(fn, op=op.name)
-  cfg = _Config(**op.backend(implementation), fn=fn_callable, name=activations.name_of(fn))
-  if cfg.impl == "triton":
-    from jaxfuse.kernels.triton import elementwise as triton_elementwise
+def _config(op: base.Op, activation, implementation) -> _Config:
+  activation = activations.canonical(activation, op=op.name)
+  return op.config(implementation, _Config, facts={"activation": activation},
+                   activation=activation)
 
-    if cfg.name not in triton_elementwise.ACTIVATIONS:
-      raise ValueError(f"{op.name}: implementation='triton' supports the named activations "
-                       f"{triton_elementwise.ACTIVATIONS}, got fn={fn!r}")
-  return cfg
+
+def _scope(op: base.Op, cfg: _Config) -> str:
+  return f"jaxfuse.{op.name}[{activations.name_of(cfg.activation) or 'fn'}]"
 
 
 # The op -----------------------------------------------------------------------------------------
 
 
-def add_act(a: jax.Array, b: jax.Array, fn: str | Callable = "relu", *,
-            implementation: str | None = None) -> jax.Array:
-  """``fn(a + b)`` elementwise, fused into one kernel forward and one backward.
+def add_act(a: jax.Array, b: jax.Array, activation: str | Callable = "relu", *,
+            implementation: str | None = None, fn: str | Callable | None = None) -> jax.Array:
+  """``activation(a + b)`` elementwise, fused into one kernel forward and one backward.
 
   Args:
     a: a float array (float32, bfloat16 or float16) of any shape.
     b: an array of the same shape and dtype (broadcasting is rejected).
-    fn: an activation name from :data:`jaxfuse.ops.activations.ACTIVATIONS` (``"relu"``,
-      ``"gelu"``, ``"silu"``, ...) or any elementwise jnp function. The Pallas kernel takes any
-      function it can lower; the Triton kernel takes the names only.
+    activation: an activation name from :data:`jaxfuse.ops.activations.ACTIVATIONS`
+      (``"relu"``, ``"gelu"``, ``"silu"``, ...) or any elementwise jnp function. The Pallas
+      kernel takes any function it can lower; the Triton kernel takes the names only.
     implementation: ``None`` (XLA: it fuses this chain by itself), ``"pallas"``, ``"triton"``
       or ``"xla"``.
+    fn: the former name of ``activation`` (deprecated).
 
   Returns:
-    ``fn(a + b)`` in the dtype of ``a``. Low-precision inputs are added and activated in float32
+    ``activation(a + b)`` in the dtype of ``a``. Low-precision inputs are added and activated in float32
     and rounded once.
 
   Example:
@@ -88,9 +86,10 @@ def add_act(a: jax.Array, b: jax.Array, fn: str | Callable = "relu", *,
     >>> add_act(jnp.array([1.0, -2.0]), jnp.array([0.5, 1.0]), "relu")
     Array([1.5, 0. ], dtype=float32)
   """
+  activation = checks.renamed(ADD_ACT.name, "fn", "activation", fn, activation)
   _check(ADD_ACT.name, a, b)
-  cfg = _config(ADD_ACT, fn, implementation)
-  with jax.named_scope(f"jaxfuse.add_act[{cfg.name or 'fn'}]"):
+  cfg = _config(ADD_ACT, activation, implementation)
+  with jax.named_scope(_scope(ADD_ACT, cfg)):
     return _add_act(a, b, cfg)
 
 
@@ -102,43 +101,27 @@ def _elementwise(operands, x):
   return partitioning.elementwise_rule(operands, 1, x.ndim)
 
 
-def _xla_forward(a, b, fn):
+def _xla_forward(a, b, activation):
   cd = base.compute_dtype(a.dtype)
-  return activation_grads.value(fn, a.astype(cd) + b.astype(cd)).astype(a.dtype)
+  return activation_grads.value(activation, a.astype(cd) + b.astype(cd)).astype(a.dtype)
 
 
-def _xla_backward(a, b, g, fn):
+def _xla_backward(a, b, g, activation):
   cd = base.compute_dtype(a.dtype)
-  _, grad = activation_grads.value_and_grad(fn, a.astype(cd) + b.astype(cd))
+  _, grad = activation_grads.value_and_grad(activation, a.astype(cd) + b.astype(cd))
   return (g.astype(cd) * grad).astype(a.dtype)
 
 
 def _forward(a, b, cfg):
-  twin = functools.partial(_xla_forward, fn=cfg.fn)
-  if cfg.impl == "pallas":
-    kernel = functools.partial(pallas_elementwise.add_act_forward, fn=cfg.fn,
-                               interpret=cfg.interpret)
-    return base.kernel_call(kernel, twin, a, b, rule=_elementwise(2, a))
-  if cfg.impl == "triton":
-    from jaxfuse.kernels.triton import elementwise as triton_elementwise
-
-    kernel = functools.partial(triton_elementwise.add_act_forward, act=cfg.name)
-    return base.kernel_call(kernel, twin, a, b, rule=_elementwise(2, a))
-  return twin(a, b)
+  twin = functools.partial(_xla_forward, activation=cfg.activation)
+  return cfg.run("add_act_forward", twin, a, b, rule=_elementwise(2, a),
+                 activation=cfg.activation)
 
 
 def _backward(a, b, g, cfg):
-  twin = functools.partial(_xla_backward, fn=cfg.fn)
-  if cfg.impl == "pallas":
-    kernel = functools.partial(pallas_elementwise.add_act_backward, fn=cfg.fn,
-                               interpret=cfg.interpret)
-    return base.kernel_call(kernel, twin, a, b, g, rule=_elementwise(3, a))
-  if cfg.impl == "triton":
-    from jaxfuse.kernels.triton import elementwise as triton_elementwise
-
-    kernel = functools.partial(triton_elementwise.add_act_backward, act=cfg.name)
-    return base.kernel_call(kernel, twin, a, b, g, rule=_elementwise(3, a))
-  return twin(a, b, g)
+  twin = functools.partial(_xla_backward, activation=cfg.activation)
+  return cfg.run("add_act_backward", twin, a, b, g, rule=_elementwise(3, a),
+                 activation=cfg.activation)
 
 
 # The custom VJP ---------------------------------------------------------------------------------
@@ -170,13 +153,15 @@ _add_act.defvjp(_add_act_fwd, _add_act_bwd)
 # The unfused chain ------------------------------------------------------------------------------
 
 
-def add_act_unfused(a: jax.Array, b: jax.Array, fn: str | Callable = "relu", *,
-                    implementation: str | None = None) -> jax.Array:
-  """The baseline the fusion is measured against: an add kernel, then an ``fn`` kernel.
+def add_act_unfused(a: jax.Array, b: jax.Array, activation: str | Callable = "relu", *,
+                    implementation: str | None = None,
+                    fn: str | Callable | None = None) -> jax.Array:
+  """The baseline the fusion is measured against: an add kernel, then an ``activation`` kernel.
 
   ``c = a + b`` is written to memory and read back, and the backward keeps ``c`` alive, as two
   separately written kernels would. With ``implementation="xla"`` an optimization barrier keeps
-  the two apart on GPUs (XLA:CPU drops barriers and fuses them anyway).
+  the two apart on GPUs (XLA:CPU drops barriers and fuses them anyway). ``fn`` is the former
+  name of ``activation`` (deprecated).
 
   Example:
     >>> import jax.numpy as jnp
@@ -184,38 +169,36 @@ def add_act_unfused(a: jax.Array, b: jax.Array, fn: str | Callable = "relu", *,
     >>> add_act_unfused(jnp.array([1.0, -2.0]), jnp.array([0.5, 1.0]), "relu")
     Array([1.5, 0. ], dtype=float32)
   """
+  activation = checks.renamed(ADD_ACT_UNFUSED.name, "fn", "activation", fn, activation)
   _check(ADD_ACT_UNFUSED.name, a, b)
-  cfg = _config(ADD_ACT_UNFUSED, fn, implementation)
-  c = _add(a, b, cfg)
-  if cfg.impl == "xla":
-    c = jax.lax.optimization_barrier(c)
-  return _act(c, cfg)
+  cfg = _config(ADD_ACT_UNFUSED, activation, implementation)
+  with jax.named_scope(_scope(ADD_ACT_UNFUSED, cfg)):
+    return _act(_add(a, b, cfg), cfg)
 
 
 def _xla_add(a, b):
   return a + b
 
 
-def _xla_act(c, fn):
-  cd = base.compute_dtype(c.dtype)
-  return fn(c.astype(cd)).astype(c.dtype)
+def _xla_add_apart(a, b):
+  """``a + b`` kept apart from its consumer (XLA's own fusion would merge the chain)."""
+  return jax.lax.optimization_barrier(a + b)
 
 
-def _xla_act_backward(c, g, fn):
+def _xla_act(c, activation):
   cd = base.compute_dtype(c.dtype)
+  return activations.get(activation)(c.astype(cd)).astype(c.dtype)
+
+
+def _xla_act_backward(c, g, activation):
+  cd = base.compute_dtype(c.dtype)
+  fn = activations.get(activation)
   return jax.vjp(fn, c.astype(cd))[1](g.astype(cd))[0].astype(c.dtype)
 
 
 def _add_forward(a, b, cfg):
-  if cfg.impl == "pallas":
-    kernel = functools.partial(pallas_elementwise.add_forward, interpret=cfg.interpret)
-    return base.kernel_call(kernel, _xla_add, a, b, rule=_elementwise(2, a))
-  if cfg.impl == "triton":
-    from jaxfuse.kernels.triton import elementwise as triton_elementwise
-
-    return base.kernel_call(triton_elementwise.add_forward, _xla_add, a, b,
-                            rule=_elementwise(2, a))
-  return _xla_add(a, b)
+  # On XLA the barrier stands where the add kernel's output would be written.
+  return cfg.run("add_forward", _xla_add, a, b, rule=_elementwise(2, a), xla=_xla_add_apart)
 
 
 @partitioning.matching_vma
@@ -237,17 +220,8 @@ _add.defvjp(_add_fwd, _add_bwd)
 
 
 def _act_forward(c, cfg):
-  twin = functools.partial(_xla_act, fn=cfg.fn)
-  if cfg.impl == "pallas":
-    kernel = functools.partial(pallas_elementwise.act_forward, fn=cfg.fn,
-                               interpret=cfg.interpret)
-    return base.kernel_call(kernel, twin, c, rule=_elementwise(1, c))
-  if cfg.impl == "triton":
-    from jaxfuse.kernels.triton import elementwise as triton_elementwise
-
-    kernel = functools.partial(triton_elementwise.act_forward, act=cfg.name)
-    return base.kernel_call(kernel, twin, c, rule=_elementwise(1, c))
-  return twin(c)
+  twin = functools.partial(_xla_act, activation=cfg.activation)
+  return cfg.run("act_forward", twin, c, rule=_elementwise(1, c), activation=cfg.activation)
 
 
 @partitioning.matching_vma
@@ -262,17 +236,9 @@ def _act_fwd(c, cfg):
 
 
 def _act_bwd(cfg, c, g):
-  twin = functools.partial(_xla_act_backward, fn=cfg.fn)
-  if cfg.impl == "pallas":
-    kernel = functools.partial(pallas_elementwise.act_backward, fn=cfg.fn,
-                               interpret=cfg.interpret)
-    return (base.kernel_call(kernel, twin, c, g, rule=_elementwise(2, c)),)
-  if cfg.impl == "triton":
-    from jaxfuse.kernels.triton import elementwise as triton_elementwise
-
-    kernel = functools.partial(triton_elementwise.act_backward, act=cfg.name)
-    return (base.kernel_call(kernel, twin, c, g, rule=_elementwise(2, c)),)
-  return (twin(c, g),)
+  twin = functools.partial(_xla_act_backward, activation=cfg.activation)
+  return (cfg.run("act_backward", twin, c, g, rule=_elementwise(2, c),
+                  activation=cfg.activation),)
 
 
 _act.defvjp(_act_fwd, _act_bwd)
@@ -295,7 +261,7 @@ def relu(x: jax.Array, *, implementation: str | None = None) -> jax.Array:
     Array([0., 2.], dtype=float32)
   """
   checks.floating(RELU.name, "x", x)
-  return _relu(x, base.Config(**RELU.backend(implementation)))
+  return _relu(x, _config(RELU, "relu", implementation))
 
 
 def _xla_relu(x):
@@ -307,16 +273,7 @@ def _xla_relu_backward(y, g):
 
 
 def _relu_forward(x, cfg):
-  if cfg.impl == "pallas":
-    kernel = functools.partial(pallas_elementwise.act_forward, fn=jax.nn.relu,
-                               interpret=cfg.interpret)
-    return base.kernel_call(kernel, _xla_relu, x, rule=_elementwise(1, x))
-  if cfg.impl == "triton":
-    from jaxfuse.kernels.triton import elementwise as triton_elementwise
-
-    kernel = functools.partial(triton_elementwise.act_forward, act="relu")
-    return base.kernel_call(kernel, _xla_relu, x, rule=_elementwise(1, x))
-  return _xla_relu(x)
+  return cfg.run("act_forward", _xla_relu, x, rule=_elementwise(1, x), activation="relu")
 
 
 @partitioning.matching_vma
@@ -332,16 +289,8 @@ def _relu_fwd(x, cfg):
 
 
 def _relu_bwd(cfg, y, g):
-  if cfg.impl == "pallas":
-    kernel = functools.partial(pallas_elementwise.relu_backward_from_output,
-                               interpret=cfg.interpret)
-    return (base.kernel_call(kernel, _xla_relu_backward, y, g, rule=_elementwise(2, y)),)
-  if cfg.impl == "triton":
-    from jaxfuse.kernels.triton import elementwise as triton_elementwise
-
-    return (base.kernel_call(triton_elementwise.relu_backward_from_output, _xla_relu_backward,
-                             y, g, rule=_elementwise(2, y)),)
-  return (_xla_relu_backward(y, g),)
+  return (cfg.run("relu_backward_from_output", _xla_relu_backward, y, g,
+                  rule=_elementwise(2, y)),)
 
 
 _relu.defvjp(_relu_fwd, _relu_bwd)

@@ -1,6 +1,6 @@
-"""Gated linear units, ``act(a) * b``, fused, keeping only the inputs for the backward pass.
+"""Gated linear units, ``activation(a) * b``, fused, keeping only the inputs for the backward pass.
 
-SwiGLU is ``act="silu"`` (LLaMA's ``F.silu(gate_proj(x)) * up_proj(x)``), GEGLU ``"gelu"`` or
+SwiGLU is ``activation="silu"`` (LLaMA's ``F.silu(gate_proj(x)) * up_proj(x)``), GEGLU ``"gelu"`` or
 ``"gelu_tanh"``, ReGLU ``"relu"``. The forward reads ``a`` and ``b`` and writes the product. The
 backward recomputes ``act(a)`` from the inputs and writes ``da = g * b * act'(a)`` and
 ``db = g * act(a)``: nothing but the inputs is kept between the passes.
@@ -15,10 +15,9 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxfuse.kernels.pallas import gated_linear as pallas_gated_linear
 from jaxfuse.ops import activation_grads, activations, base, checks, partitioning
 
-GLU = base.Op("glu", ("pallas", "triton", "xla"), base.ELEMENTWISE_GPU_ORDER)
+GLU = base.Op("glu", "gated_linear", base.ELEMENTWISE_GPU_ORDER)
 
 
 # Reference --------------------------------------------------------------------------------------
@@ -30,12 +29,15 @@ def _split(x):
 
 
 def glu_reference(a: jax.Array, b: jax.Array | None = None,
-                  act: str | Callable = "silu") -> jax.Array:
-  """Plain-jnp ``act(a) * b`` (packed ``a = [a | b]`` when ``b`` is None), in float32."""
+                  activation: str | Callable = "silu", *,
+                  act: str | Callable | None = None) -> jax.Array:
+  """Plain-jnp ``activation(a) * b`` (packed ``a = [a | b]`` when ``b`` is None), in
+  float32."""
+  activation = checks.renamed("glu_reference", "act", "activation", act, activation)
   if b is None or isinstance(b, str) or callable(b):
-    act = "silu" if b is None else b
+    activation = activation if b is None else b
     a, b = _split(a)
-  fn = activations.get(act, arg="act", op="glu_reference")
+  fn = activations.get(activation, op="glu_reference")
   cd = base.compute_dtype(a.dtype)
   return (fn(a.astype(cd)) * b.astype(cd)).astype(a.dtype)
 
@@ -60,35 +62,28 @@ def _check(op, a, b):
 
 @dataclasses.dataclass(frozen=True)
 class _Config(base.Config):
-  fn: Callable
-  name: str | None   # the activation's registry name (the Triton kernels take names only)
+  activation: str | Callable   # its name when it has one (the Triton kernels take names only)
 
 
-def _config(act, implementation) -> _Config:
-  op = GLU.name
-  cfg = _Config(**GLU.backend(implementation), fn=activations.get(act, arg="act", op=op),
-                name=activations.name_of(act))
-  if cfg.impl == "triton":
-    from jaxfuse.kernels.triton import gated_linear as triton_gated_linear
-
-    if cfg.name not in triton_gated_linear.ACTIVATIONS:
-      raise ValueError(f"{op}: implementation='triton' supports the named activations "
-                       f"{triton_gated_linear.ACTIVATIONS}, got act={act!r}")
-  return cfg
+def _config(activation, implementation) -> _Config:
+  activation = activations.canonical(activation, op=GLU.name)
+  return GLU.config(implementation, _Config, facts={"activation": activation},
+                    activation=activation)
 
 
 # The op -----------------------------------------------------------------------------------------
 
 
 def glu(a: jax.Array, b: jax.Array | str | Callable | None = None,
-        act: str | Callable = "silu", *, implementation: str | None = None) -> jax.Array:
-  """The gated linear unit ``act(a) * b``, fused forward and backward; keeps only its inputs.
+        activation: str | Callable = "silu", *, implementation: str | None = None,
+        act: str | Callable | None = None) -> jax.Array:
+  """The gated linear unit ``activation(a) * b``, fused forward and backward; keeps only its inputs.
 
   Two forms:
 
-  - ``glu(a, b, act)``: ``a`` (the gate) and ``b`` (the value) are arrays of one shape;
-  - ``glu(x, act)`` or ``glu(x, act=...)``: packed, ``x = [a | b]`` on the last axis, which is
-    split in half: ``act(x[..., :h]) * x[..., h:]``. Note that ``torch.nn.functional.glu`` gates
+  - ``glu(a, b, activation)``: ``a`` (the gate) and ``b`` (the value) are arrays of one shape;
+  - ``glu(x, activation)`` or ``glu(x, activation=...)``: packed, ``x = [a | b]`` on the last
+    axis, which is split in half: ``activation(x[..., :h]) * x[..., h:]``. Note that ``torch.nn.functional.glu`` gates
     the other way round (``x[..., :h] * sigmoid(x[..., h:])``); here the gate comes first, as in
     fused ``[gate | up]`` projections.
 
@@ -96,14 +91,15 @@ def glu(a: jax.Array, b: jax.Array | str | Callable | None = None,
     a: the gate, a float array (float32, bfloat16 or float16); or packed ``x``.
     b: the value, same shape and dtype as ``a``; or, for the packed form, the activation (or
       None).
-    act: ``"silu"`` (SwiGLU), ``"gelu"`` / ``"gelu_tanh"`` (GEGLU), ``"relu"`` (ReGLU), another
-      name from :data:`jaxfuse.ops.activations.ACTIVATIONS`, or an elementwise jnp function
-      (not with ``implementation="triton"``).
+    activation: ``"silu"`` (SwiGLU), ``"gelu"`` / ``"gelu_tanh"`` (GEGLU), ``"relu"``
+      (ReGLU), another name from :data:`jaxfuse.ops.activations.ACTIVATIONS`, or an
+      elementwise jnp function (not with ``implementation="triton"``).
     implementation: ``None`` (XLA: it fuses this by itself), ``"pallas"``, ``"triton"`` or
       ``"xla"``.
+    act: the former name of ``activation`` (deprecated).
 
   Returns:
-    ``act(a) * b`` in the dtype of ``a``; for the packed form the last axis is halved.
+    ``activation(a) * b`` in the dtype of ``a``; for the packed form the last axis is halved.
 
   Example:
     >>> import jax.numpy as jnp
@@ -114,11 +110,12 @@ def glu(a: jax.Array, b: jax.Array | str | Callable | None = None,
     >>> glu(jnp.concatenate([gate, up]), "relu")
     Array([0., 1.], dtype=float32)
   """
+  activation = checks.renamed(GLU.name, "act", "activation", act, activation)
   if isinstance(b, str) or callable(b):
-    act, b = b, None
+    activation, b = b, None
   _check(GLU.name, a, b)
-  cfg = _config(act, implementation)
-  with jax.named_scope(f"jaxfuse.glu[{cfg.name or 'fn'}]"):
+  cfg = _config(activation, implementation)
+  with jax.named_scope(f"jaxfuse.glu[{activations.name_of(cfg.activation) or 'fn'}]"):
     if b is None:
       return _glu_packed(a, cfg)
     return _glu(a, b, cfg)
@@ -127,15 +124,15 @@ def glu(a: jax.Array, b: jax.Array | str | Callable | None = None,
 # Forward and backward ---------------------------------------------------------------------------
 
 
-def _xla_forward(a, b, fn):
+def _xla_forward(a, b, activation):
   """``act(a) * b``; packed ``a`` when ``b`` is None."""
   if b is None:
     a, b = _split(a)
   cd = base.compute_dtype(a.dtype)
-  return (activation_grads.value(fn, a.astype(cd)) * b.astype(cd)).astype(a.dtype)
+  return (activation_grads.value(activation, a.astype(cd)) * b.astype(cd)).astype(a.dtype)
 
 
-def _xla_backward(a, b, g, fn):
+def _xla_backward(a, b, g, activation):
   """``(da, db)``, or for packed ``a`` (``b`` None) ``dx = [da | db]``.
 
   ``da = g * b * act'(a)`` and ``db = g * act(a)`` are each one fused loop over the inputs; the
@@ -148,28 +145,13 @@ def _xla_backward(a, b, g, fn):
     a, b = _split(a)
   cd = base.compute_dtype(a.dtype)
   a1, b1, g1 = jax.lax.optimization_barrier((a, b, g))
-  _, grad = activation_grads.value_and_grad(fn, a1.astype(cd))
+  _, grad = activation_grads.value_and_grad(activation, a1.astype(cd))
   da = (g1.astype(cd) * b1.astype(cd) * grad).astype(a.dtype)
   a2, g2 = jax.lax.optimization_barrier((a, g))
-  db = (g2.astype(cd) * activation_grads.value(fn, a2.astype(cd))).astype(b.dtype)
+  db = (g2.astype(cd) * activation_grads.value(activation, a2.astype(cd))).astype(b.dtype)
   if packed:
     return jnp.concatenate([da, db], axis=-1)
   return da, db
-
-
-def _kernels(cfg):
-  """The forward and backward kernels of ``cfg.impl`` over 2-D rows (b=None: packed)."""
-  if cfg.impl == "pallas":
-    forward = functools.partial(pallas_gated_linear.glu_forward, fn=cfg.fn,
-                                interpret=cfg.interpret)
-    backward = functools.partial(pallas_gated_linear.glu_backward, fn=cfg.fn,
-                                 interpret=cfg.interpret)
-    return forward, backward
-  from jaxfuse.kernels.triton import gated_linear as triton_gated_linear
-
-  forward = functools.partial(triton_gated_linear.glu_forward, act=cfg.name)
-  backward = functools.partial(triton_gated_linear.glu_backward, act=cfg.name)
-  return forward, backward
 
 
 def _rule(a, b, *, backward: bool):
@@ -184,19 +166,15 @@ def _rule(a, b, *, backward: bool):
 
 
 def _forward(a, b, cfg):
-  if cfg.impl == "xla":
-    return _xla_forward(a, b, cfg.fn)
-  kernel, _ = _kernels(cfg)
-  twin = functools.partial(_xla_forward, fn=cfg.fn)
-  return base.kernel_call(kernel, twin, a, b, rule=_rule(a, b, backward=False))
+  twin = functools.partial(_xla_forward, activation=cfg.activation)
+  return cfg.run("glu_forward", twin, a, b, rule=_rule(a, b, backward=False),
+                 activation=cfg.activation)
 
 
 def _backward(a, b, g, cfg):
-  if cfg.impl == "xla":
-    return _xla_backward(a, b, g, cfg.fn)
-  _, kernel = _kernels(cfg)
-  twin = functools.partial(_xla_backward, fn=cfg.fn)
-  return base.kernel_call(kernel, twin, a, b, g, rule=_rule(a, b, backward=True))
+  twin = functools.partial(_xla_backward, activation=cfg.activation)
+  return cfg.run("glu_backward", twin, a, b, g, rule=_rule(a, b, backward=True),
+                 activation=cfg.activation)
 
 
 # The custom VJPs --------------------------------------------------------------------------------

@@ -26,14 +26,12 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxfuse.kernels.pallas import linear as pallas_linear
 from jaxfuse.ops import base, checks, dispatch, partitioning
 
 # Matmuls: XLA (cuBLAS on GPUs) comes first; the Pallas and Triton kernels are there for fusion
 # work and for measurement. dense has no kernel of its own: its products are XLA's.
-RECOMPUTE_LINEAR = base.Op("recompute_linear", ("pallas", "triton", "xla"),
-                           base.MATMUL_GPU_ORDER)
-DENSE = base.Op("dense", ("xla",), base.MATMUL_GPU_ORDER)
+RECOMPUTE_LINEAR = base.Op("recompute_linear", "linear", base.MATMUL_GPU_ORDER)
+DENSE = base.Op("dense", None, base.MATMUL_GPU_ORDER)
 
 
 def _precision(dtype):
@@ -194,7 +192,7 @@ def recompute_linear(x: jax.Array, weight: jax.Array, bias: jax.Array | None = N
     (2, 4)
   """
   _check(RECOMPUTE_LINEAR.name, x, weight, bias)
-  cfg = base.Config(**RECOMPUTE_LINEAR.backend(implementation))
+  cfg = RECOMPUTE_LINEAR.config(implementation)
   with jax.named_scope("jaxfuse.recompute_linear"):
     return _recompute_linear(x, weight, bias, cfg)
 
@@ -230,42 +228,13 @@ def _rule(x, bias, *, backward):
 
 
 def _forward(x, weight, bias, cfg):
-  if cfg.impl == "xla":
-    return linear_reference(x, weight, bias)
-  if cfg.impl == "triton":
-    from jaxfuse.kernels.triton import linear as triton_linear
-
-    kernel = triton_linear.linear_forward
-  else:
-    matmul = functools.partial(pallas_linear.matmul, interpret=cfg.interpret, name="linear_fwd")
-    kernel = lambda x2, w, b: matmul(x2, w, bias=b)  # noqa: E731
-  return base.kernel_call(kernel, linear_reference, x, weight, bias,
-                          rule=_rule(x, bias, backward=False))
-
-
-def _pallas_backward(x2, weight, bias, g2, interpret):
-  dx = pallas_linear.matmul(g2, weight, a_layout="ik", b_layout="kj", interpret=interpret,
-                            name="linear_dx")
-  dw = pallas_linear.matmul(g2, x2, a_layout="ki", b_layout="kj", out_dtype=weight.dtype,
-                            interpret=interpret, name="linear_dweight")
-  db = None
-  if bias is not None:
-    db = pallas_linear.sum_rows(g2, out_dtype=bias.dtype, interpret=interpret,
-                                name="linear_dbias")
-  return dx, dw, db
+  return cfg.run("linear_forward", linear_reference, x, weight, bias,
+                 rule=_rule(x, bias, backward=False))
 
 
 def _backward(x, weight, bias, g, cfg):
-  if cfg.impl == "xla":
-    return _xla_backward(x, weight, bias, g)
-  if cfg.impl == "triton":
-    from jaxfuse.kernels.triton import linear as triton_linear
-
-    kernel = triton_linear.linear_backward
-  else:
-    kernel = functools.partial(_pallas_backward, interpret=cfg.interpret)
-  return base.kernel_call(kernel, _xla_backward, x, weight, bias, g,
-                          rule=_rule(x, bias, backward=True))
+  return cfg.run("linear_backward", _xla_backward, x, weight, bias, g,
+                 rule=_rule(x, bias, backward=True))
 
 
 @partitioning.matching_vma

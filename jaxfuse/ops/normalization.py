@@ -46,15 +46,13 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxfuse.kernels.pallas import elementwise as pallas_elementwise
-from jaxfuse.kernels.pallas import normalization as pallas_norm
 from jaxfuse.ops import base, checks, names, partitioning
 
-LAYER_NORM = base.Op("layer_norm", ("pallas", "triton", "xla"))
-RMS_NORM = base.Op("rms_norm", ("pallas", "triton", "xla"))
-ADD_LAYER_NORM = base.Op("add_layer_norm", ("pallas", "triton", "xla"))
-ADD_RMS_NORM = base.Op("add_rms_norm", ("pallas", "triton", "xla"))
-ADD_RMS_NORM_UNFUSED = base.Op("add_rms_norm_unfused", ("pallas", "triton", "xla"))
+LAYER_NORM = base.Op("layer_norm", "normalization")
+RMS_NORM = base.Op("rms_norm", "normalization")
+ADD_LAYER_NORM = base.Op("add_layer_norm", "normalization")
+ADD_RMS_NORM = base.Op("add_rms_norm", "normalization")
+ADD_RMS_NORM_UNFUSED = base.Op("add_rms_norm_unfused", "normalization")
 
 
 # Plain-jnp references ---------------------------------------------------------------------------
@@ -125,29 +123,11 @@ class _Config(base.Config):
   eps: float
 
 
-def _max_hidden(impl: str) -> int | None:
-  """The widest row the kernels of ``impl`` take (None: any)."""
-  if impl == "pallas":
-    return pallas_norm.MAX_HIDDEN
-  if impl == "triton":
-    from jaxfuse.kernels.triton import normalization as triton_norm
-
-    return triton_norm.MAX_HIDDEN
-  return None
-
-
 def _config(op: base.Op, x, implementation, *, centered, eps) -> _Config:
-  backend = op.backend(implementation)
-  limit = _max_hidden(backend["impl"])
-  if limit is not None and x.shape[-1] > limit:
-    if implementation is None:  # the kernels' rows would not fit: XLA takes any width
-      backend = {"impl": "xla", "interpret": False}
-    else:
-      alternatives = "'xla'" if backend["impl"] == "pallas" else "'pallas' or 'xla'"
-      raise ValueError(f"{op.name}: implementation={backend['impl']!r} takes a hidden size "
-                       f"(x.shape[-1]) of at most {limit}, got {x.shape[-1]}; use "
-                       f"{alternatives}")
-  return _Config(**backend, centered=centered, eps=float(eps))
+  """``None`` takes XLA for rows wider than the kernels hold; asked for by name, a kernel set
+  that cannot hold them raises."""
+  return op.config(implementation, _Config, facts={"hidden": x.shape[-1]}, centered=centered,
+                   eps=float(eps))
 
 
 # Public ops -------------------------------------------------------------------------------------
@@ -367,34 +347,15 @@ def _forward(x, residual, scale, bias, cfg, *, store_stats):
   statistics are None unless ``store_stats`` (and the mean for RMSNorm always is)."""
   twin = functools.partial(_xla_forward, centered=cfg.centered, eps=cfg.eps,
                            store_stats=store_stats)
-  if cfg.impl == "pallas":
-    kernel = functools.partial(pallas_norm.forward, eps=cfg.eps, centered=cfg.centered,
-                               store_stats=store_stats, interpret=cfg.interpret)
-  elif cfg.impl == "triton":
-    from jaxfuse.kernels.triton import normalization as triton_norm
-
-    kernel = functools.partial(triton_norm.forward, eps=cfg.eps, centered=cfg.centered,
-                               store_stats=store_stats)
-  else:
-    kernel = twin
-  rule = _rules(x.ndim)[0]
-  return base.kernel_call(kernel, twin, x, residual, scale, bias, rule=rule)
+  return cfg.run("forward", twin, x, residual, scale, bias, rule=_rules(x.ndim)[0],
+                 xla_kernel=twin, eps=cfg.eps, centered=cfg.centered, store_stats=store_stats)
 
 
 def _backward(rows, g, g_sum, scale, bias, mean, rstd, cfg):
   """``(dx, dscale, dbias)``; the parameter gradients in float32 (None where absent)."""
   twin = functools.partial(_xla_backward, has_bias=bias is not None)
-  if cfg.impl == "pallas":
-    kernel = functools.partial(pallas_norm.backward, has_bias=bias is not None,
-                               interpret=cfg.interpret)
-  elif cfg.impl == "triton":
-    from jaxfuse.kernels.triton import normalization as triton_norm
-
-    kernel = functools.partial(triton_norm.backward, has_bias=bias is not None)
-  else:
-    kernel = twin
-  rule = _rules(rows.ndim)[1]
-  return base.kernel_call(kernel, twin, rows, g, g_sum, scale, mean, rstd, rule=rule)
+  return cfg.run("backward", twin, rows, g, g_sum, scale, mean, rstd, rule=_rules(rows.ndim)[1],
+                 xla_kernel=twin, has_bias=bias is not None)
 
 
 # The custom VJP ---------------------------------------------------------------------------------
@@ -470,15 +431,8 @@ def _xla_add(a, b):
 
 
 def _add(a, b, cfg):
-  rule = _rules(a.ndim)[2]
-  if cfg.impl == "pallas":
-    kernel = functools.partial(pallas_elementwise.add_forward, interpret=cfg.interpret)
-    return base.kernel_call(kernel, _xla_add, a, b, rule=rule)
-  if cfg.impl == "triton":
-    from jaxfuse.kernels.triton import elementwise as triton_elementwise
-
-    return base.kernel_call(triton_elementwise.add_forward, _xla_add, a, b, rule=rule)
-  return _xla_add(a, b)
+  """``a + b`` by the elementwise add kernel of ``cfg``'s kind (plain jnp on XLA)."""
+  return cfg.run("elementwise.add_forward", _xla_add, a, b, rule=_rules(a.ndim)[2])
 
 
 @partitioning.matching_vma

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jaxfuse.ops import base as op_base, checks
 
 # XLA only: the rotation is elementwise, and XLA fuses it into the projection that feeds it.
-ROTARY_EMBEDDING = op_base.Op("rotary_embedding", ("xla",), op_base.ELEMENTWISE_GPU_ORDER)
+ROTARY_EMBEDDING = op_base.Op("rotary_embedding", None, op_base.ELEMENTWISE_GPU_ORDER)
 
 
 def rotary_embedding(x: jax.Array, positions: jax.Array, *, base: float = 10000.0,

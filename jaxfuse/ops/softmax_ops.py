@@ -14,10 +14,9 @@ import numbers
 import jax
 import jax.numpy as jnp
 
-from jaxfuse.kernels.pallas import softmax as pallas_softmax
 from jaxfuse.ops import base, checks, partitioning
 
-SOFTMAX = base.Op("softmax", ("pallas", "triton", "xla"), base.KERNEL_GPU_ORDER)
+SOFTMAX = base.Op("softmax", "softmax", base.KERNEL_GPU_ORDER)
 
 
 # Reference --------------------------------------------------------------------------------------
@@ -101,7 +100,7 @@ def softmax(x: jax.Array, *, axis: int = -1, scale: float = 1.0, mask: jax.Array
     Array([1., 0., 0.], dtype=float32)
   """
   _check(SOFTMAX.name, x, axis, scale, mask)
-  cfg = _Config(**SOFTMAX.backend(implementation), axis=axis % x.ndim, scale=float(scale))
+  cfg = SOFTMAX.config(implementation, _Config, axis=axis % x.ndim, scale=float(scale))
   if x.size == 0:  # nothing to normalize; the result (and its gradient) is empty
     return jnp.zeros_like(x)
   with jax.named_scope("jaxfuse.softmax"):
@@ -124,26 +123,6 @@ def _xla_backward(y, g, axis, scale):
   return (scale * yc * (gc - dot)).astype(y.dtype)
 
 
-def _forward_kernel(cfg):
-  """The forward kernel of ``cfg.impl`` over 2-D rows, ``(rows, mask_rows) -> y``."""
-  if cfg.impl == "pallas":
-    return functools.partial(pallas_softmax.softmax_forward, scale=cfg.scale,
-                             interpret=cfg.interpret)
-  from jaxfuse.kernels.triton import softmax as triton_softmax
-
-  return functools.partial(triton_softmax.softmax_forward, scale=cfg.scale)
-
-
-def _backward_kernel(cfg):
-  """The backward kernel of ``cfg.impl`` over 2-D rows, ``(y, g) -> dx``."""
-  if cfg.impl == "pallas":
-    return functools.partial(pallas_softmax.softmax_backward, scale=cfg.scale,
-                             interpret=cfg.interpret)
-  from jaxfuse.kernels.triton import softmax as triton_softmax
-
-  return functools.partial(triton_softmax.softmax_backward, scale=cfg.scale)
-
-
 def _rule(operands, x):
   """The kernels' partitioning: over the rows (any of ``x``'s leading axes), each row whole."""
   r = partitioning.ROWS
@@ -151,14 +130,15 @@ def _rule(operands, x):
 
 
 def _forward(x, mask, cfg):
-  if cfg.impl in ("pallas", "triton"):
-    rows, undo = _to_rows(x, cfg.axis)
-    mask_rows = None
-    if mask is not None:
-      mask_rows, _ = _to_rows(jnp.broadcast_to(mask, x.shape), cfg.axis)
-    twin = functools.partial(_rows_reference, scale=cfg.scale)
-    return undo(base.kernel_call(_forward_kernel(cfg), twin, rows, mask_rows, rule=_rule(2, rows)))
-  return softmax_reference(x, axis=cfg.axis, scale=cfg.scale, mask=mask)
+  """Every implementation sees the normalized axis last (the other axes are its rows; with
+  ``axis=-1`` nothing moves)."""
+  rows, undo = _to_rows(x, cfg.axis)
+  mask_rows = None
+  if mask is not None:
+    mask_rows, _ = _to_rows(jnp.broadcast_to(mask, x.shape), cfg.axis)
+  twin = functools.partial(_rows_reference, scale=cfg.scale)
+  return undo(cfg.run("softmax_forward", twin, rows, mask_rows, rule=_rule(2, rows),
+                      scale=cfg.scale))
 
 
 def _rows_reference(rows, mask_rows, scale):
@@ -166,13 +146,11 @@ def _rows_reference(rows, mask_rows, scale):
 
 
 def _backward(y, g, cfg):
-  if cfg.impl in ("pallas", "triton"):
-    y_rows, undo = _to_rows(y, cfg.axis)
-    g_rows, _ = _to_rows(g, cfg.axis)
-    twin = functools.partial(_xla_backward, axis=-1, scale=cfg.scale)
-    return undo(base.kernel_call(_backward_kernel(cfg), twin, y_rows, g_rows,
-                                 rule=_rule(2, y_rows)))
-  return _xla_backward(y, g, cfg.axis, cfg.scale)
+  y_rows, undo = _to_rows(y, cfg.axis)
+  g_rows, _ = _to_rows(g, cfg.axis)
+  twin = functools.partial(_xla_backward, axis=-1, scale=cfg.scale)
+  return undo(cfg.run("softmax_backward", twin, y_rows, g_rows, rule=_rule(2, y_rows),
+                      scale=cfg.scale))
 
 
 # The custom VJP ---------------------------------------------------------------------------------

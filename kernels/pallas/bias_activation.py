@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
+from .. import activations
 from . import common, tiles
 
 # Backward: aim for about this many programs on a GPU (row groups x column blocks).
@@ -32,9 +33,11 @@ def _forward_kernel(x_ref, b_ref, y_ref, *, fn, rows, n, block_rows, block_cols)
   pl_triton.store(y_ref, fn(x + b[None, :]).astype(y_ref.dtype), mask=ok)
 
 
-def bias_act_forward(x: jax.Array, bias: jax.Array, fn: Callable, *, interpret: bool = False,
-                     block_rows: int | None = None, block_cols: int | None = None) -> jax.Array:
-  """``fn(x + bias)`` for a 2-D ``x`` and a 1-D ``bias`` of ``x.shape[1]``."""
+def bias_act_forward(x: jax.Array, bias: jax.Array, activation: str | Callable, *,
+                     interpret: bool = False, block_rows: int | None = None,
+                     block_cols: int | None = None) -> jax.Array:
+  """``activation(x + bias)`` for a 2-D ``x`` and a 1-D ``bias`` of ``x.shape[1]``."""
+  fn = activations.get(activation)
   rows, n = x.shape
   if rows == 0 or n == 0:
     return jnp.zeros_like(x)
@@ -90,12 +93,14 @@ def backward_plan(rows: int, n: int, *, interpret: bool, block_rows: int | None 
   return br, bc, steps, groups
 
 
-def bias_act_backward(x: jax.Array, bias: jax.Array, g: jax.Array, fn: Callable, *,
+def bias_act_backward(x: jax.Array, bias: jax.Array, g: jax.Array,
+                      activation: str | Callable, *,
                       interpret: bool = False, block_rows: int | None = None,
                       block_cols: int | None = None,
                       steps: int | None = None) -> tuple[jax.Array, jax.Array]:
-  """``(dx, dbias)`` of ``fn(x + bias)`` for the output gradient ``g``; ``x + bias`` is
+  """``(dx, dbias)`` of ``activation(x + bias)`` for the output gradient ``g``; ``x + bias`` is
   recomputed, and ``dbias`` is the float32 sum of the kernel's per-row-group partials."""
+  fn = activations.get(activation)
   rows, n = x.shape
   if rows == 0 or n == 0:
     return jnp.zeros_like(x), jnp.zeros_like(bias)

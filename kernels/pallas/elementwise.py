@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
+from .. import activations
 from . import common
 
 # Elements per program: big enough to stream, small enough for registers on a GPU. Interpret
@@ -81,16 +82,19 @@ def _vjp(fn, x, g):
   return jax.vjp(fn, x)[1](g)[0]
 
 
-def add_act_forward(a, b, fn, *, interpret=False, block_size=None, out_dtype=None):
-  """``fn(a + b)`` in one kernel: reads a and b, writes the result."""
+def add_act_forward(a, b, activation, *, interpret=False, block_size=None, out_dtype=None):
+  """``activation(a + b)`` in one kernel: reads a and b, writes the result."""
+  fn = activations.get(activation)
   out_dtype = out_dtype or a.dtype
   return elementwise_call(lambda x, y: (fn(x + y),), [a, b], [out_dtype], name="add_act_fwd",
                           interpret=interpret, block_size=block_size,
                           reference=lambda x, y: fn(x + y))[0]
 
 
-def add_act_backward(a, b, g, fn, *, interpret=False, block_size=None):
-  """``g * fn'(a + b)`` in one kernel, recomputing ``a + b`` instead of reading it back."""
+def add_act_backward(a, b, g, activation, *, interpret=False, block_size=None):
+  """``g * activation'(a + b)`` in one kernel, recomputing ``a + b`` instead of reading it
+  back."""
+  fn = activations.get(activation)
   return elementwise_call(lambda x, y, dy: (_vjp(fn, x + y, dy),), [a, b, g], [a.dtype],
                           name="add_act_bwd", interpret=interpret, block_size=block_size,
                           reference=lambda x, y, dy: _vjp(fn, x + y, dy))[0]
@@ -103,14 +107,16 @@ def add_forward(a, b, *, interpret=False, block_size=None):
                           reference=lambda x, y: x + y)[0]
 
 
-def act_forward(c, fn, *, interpret=False, block_size=None, out_dtype=None):
-  """``fn(c)``: the second kernel of the unfused chain."""
+def act_forward(c, activation, *, interpret=False, block_size=None, out_dtype=None):
+  """``activation(c)``: the second kernel of the unfused chain."""
+  fn = activations.get(activation)
   return elementwise_call(lambda x: (fn(x),), [c], [out_dtype or c.dtype], name="act_fwd",
                           interpret=interpret, block_size=block_size, reference=fn)[0]
 
 
-def act_backward(c, g, fn, *, interpret=False, block_size=None):
-  """``g * fn'(c)``: the unfused chain's backward, which reads the saved ``c``."""
+def act_backward(c, g, activation, *, interpret=False, block_size=None):
+  """``g * activation'(c)``: the unfused chain's backward, which reads the saved ``c``."""
+  fn = activations.get(activation)
   return elementwise_call(lambda x, dy: (_vjp(fn, x, dy),), [c, g], [c.dtype],
                           name="act_bwd", interpret=interpret, block_size=block_size,
                           reference=lambda x, dy: _vjp(fn, x, dy))[0]

@@ -670,6 +670,20 @@ def _dbias_kernel(q_ref, k_ref, v_ref, *refs, spec: _Spec, bq: int, bk: int):
   pl_triton.store(ds_ref.at[pl.ds(qs, bq), pl.ds(ks, bk)], ds.astype(ds_ref.dtype), mask=mask)
 
 
+def forward_output(q, k, v, q_seg, kv_seg, kv_lengths, bias, **options):
+  """The attention output alone (:func:`forward` without the log-sum-exp): the primal pass,
+  which keeps no residuals."""
+  return forward(q, k, v, q_seg, kv_seg, kv_lengths, bias, with_lse=False, **options)[0]
+
+
+def refuses(*, head_dim: int | None = None, **_) -> str | None:
+  """Why these kernels cannot take a call (None: they can): a head dim wider than their tiles
+  hold."""
+  if head_dim is not None and head_dim > MAX_HEAD_DIM:
+    return f"takes a head dim of at most {MAX_HEAD_DIM}, got {head_dim}"
+  return None
+
+
 def backward(q, k, v, q_seg, kv_seg, kv_lengths, bias, o, lse, do, *,
              causal: bool | str | None, scale: float, blocks: BlockSizes,
              window: int | None = None, softcap: float | None = None,

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
+from .. import activations
 from . import common, tiles
 
 
@@ -79,9 +80,12 @@ def _inputs(a, b):
   return a, b, False, rows, h
 
 
-def glu_forward(a: jax.Array, b: jax.Array | None, fn: Callable, *, interpret: bool = False,
-                block_rows: int | None = None, block_cols: int | None = None) -> jax.Array:
-  """``fn(a) * b`` for 2-D ``a`` and ``b``; with ``b=None``, ``a`` is packed ``[a | b]``."""
+def glu_forward(a: jax.Array, b: jax.Array | None, activation: str | Callable, *,
+                interpret: bool = False, block_rows: int | None = None,
+                block_cols: int | None = None) -> jax.Array:
+  """``activation(a) * b`` for 2-D ``a`` and ``b``; with ``b=None``, ``a`` is packed
+  ``[a | b]``."""
+  fn = activations.get(activation)
   a_in, b_in, packed, rows, h = _inputs(a, b)
   if rows == 0 or h == 0:
     return jnp.zeros((rows, h), a.dtype)
@@ -103,10 +107,13 @@ def glu_forward(a: jax.Array, b: jax.Array | None, fn: Callable, *, interpret: b
   )(a_in, b_in)
 
 
-def glu_backward(a: jax.Array, b: jax.Array | None, g: jax.Array, fn: Callable, *,
+def glu_backward(a: jax.Array, b: jax.Array | None, g: jax.Array,
+                 activation: str | Callable, *,
                  interpret: bool = False, block_rows: int | None = None,
                  block_cols: int | None = None):
-  """``(da, db)`` of ``fn(a) * b`` for the output gradient ``g`` (``dx``, packed, if b=None)."""
+  """``(da, db)`` of ``activation(a) * b`` for the output gradient ``g`` (``dx``,
+  packed, if b=None)."""
+  fn = activations.get(activation)
   a_in, b_in, packed, rows, h = _inputs(a, b)
   if rows == 0 or h == 0:
     return jnp.zeros_like(a) if packed else (jnp.zeros_like(a), jnp.zeros_like(b))

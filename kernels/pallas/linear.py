@@ -151,3 +151,24 @@ def sum_rows(g: jax.Array, *, out_dtype=None, interpret: bool = False,
       cost_estimate=common.cost([g], out_shape, flops=size_i * size_j, transcendentals=0),
       name=name,
   )(g)
+
+
+def linear_forward(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None, *,
+                   interpret: bool = False) -> jax.Array:
+  """``x @ weight.T + bias`` for 2-D ``x`` ``[rows, in]`` and ``weight`` ``[out, in]``, the
+  bias added in the kernel's epilogue."""
+  return matmul(x, weight, bias=bias, interpret=interpret, name="linear_fwd")
+
+
+def linear_backward(x: jax.Array, weight: jax.Array, bias: jax.Array | None, g: jax.Array, *,
+                    interpret: bool = False):
+  """``(dx, dweight, dbias)`` of :func:`linear_forward` for the output gradient ``g``
+  ``[rows, out]``: two :func:`matmul` kernels (two layouts) and a :func:`sum_rows` kernel
+  (None without a bias)."""
+  dx = matmul(g, weight, a_layout="ik", b_layout="kj", interpret=interpret, name="linear_dx")
+  dw = matmul(g, x, a_layout="ki", b_layout="kj", out_dtype=weight.dtype, interpret=interpret,
+              name="linear_dweight")
+  db = None
+  if bias is not None:
+    db = sum_rows(g, out_dtype=bias.dtype, interpret=interpret, name="linear_dbias")
+  return dx, dw, db

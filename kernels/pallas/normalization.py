@@ -64,6 +64,13 @@ def tiling(n_rows: int, n_cols: int, *, max_cols: int = MAX_COLS,
   return Tiling(rows=rows, cols=cols, chunks=chunks, num_warps=num_warps)
 
 
+def refuses(*, hidden: int | None = None, **_) -> str | None:
+  """Why these kernels cannot take a call (None: they can): rows wider than they hold."""
+  if hidden is not None and hidden > MAX_HIDDEN:
+    return f"takes a hidden size (x.shape[-1]) of at most {MAX_HIDDEN}, got {hidden}"
+  return None
+
+
 def _check_hidden(n_cols: int) -> None:
   if n_cols > MAX_HIDDEN:
     raise ValueError(f"the Pallas normalization kernels take a hidden size of at most "

@@ -18,7 +18,7 @@ import math
 import triton
 import triton.language as tl
 
-from .elementwise import ACTIVATIONS, activation, activation_grad  # noqa: F401
+from .elementwise import ACTIVATIONS, activation, activation_grad, refuses  # noqa: F401
 
 BLOCK_R = 8
 BLOCK_C = 512
@@ -89,7 +89,7 @@ def backward_plan(rows: int, n: int,
   return block_r, block_c, steps, groups, col_blocks
 
 
-def bias_act_forward(x, bias, act: str):
+def bias_act_forward(x, bias, activation: str):
   """``act(x + bias)`` for 2-D ``x`` and 1-D ``bias`` through jax-triton (GPU only)."""
   import jax
   import jax.numpy as jnp
@@ -102,10 +102,10 @@ def bias_act_forward(x, bias, act: str):
   return jax_triton.triton_call(
       x, bias, kernel=bias_act_fwd_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
       grid=forward_grid(rows, n), num_warps=NUM_WARPS, ROWS=rows, N=n, BLOCK_R=block_r,
-      BLOCK_C=block_c, ACT=act)
+      BLOCK_C=block_c, ACT=activation)
 
 
-def bias_act_backward(x, bias, g, act: str):
+def bias_act_backward(x, bias, g, activation: str):
   """``(dx, dbias)`` of ``act(x + bias)`` through jax-triton (GPU only); ``dbias`` is the
   float32 sum of the kernel's per-group partials, cast to the bias dtype."""
   import jax
@@ -121,5 +121,5 @@ def bias_act_backward(x, bias, g, act: str):
       out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype),
                  jax.ShapeDtypeStruct((groups, n), jnp.float32)],
       grid=(groups, col_blocks), num_warps=NUM_WARPS, ROWS=rows, N=n, BLOCK_R=block_r,
-      BLOCK_C=block_c, STEPS=steps, ACT=act)
+      BLOCK_C=block_c, STEPS=steps, ACT=activation)
   return dx, jnp.sum(partials, axis=0).astype(bias.dtype)

@@ -197,6 +197,14 @@ def _call(launch: Launch, operands, out_shape):
       num_warps=launch.num_warps, num_stages=launch.num_stages, **launch.constants)
 
 
+def refuses(*, grad_in_forward: bool = False, **_) -> str | None:
+  """Why these kernels cannot take a call (None: they can): they compute the gradients in the
+  backward pass only (``grad_in_forward=True`` is an XLA mode)."""
+  if grad_in_forward:
+    return "computes the gradients in the backward pass; grad_in_forward=True is an XLA mode"
+  return None
+
+
 def stats_forward(h, w, bias, labels, *, softcap=None, blocks=None, num_warps=None):
   """Per-token logsumexp, target logit, sum of logits and argmax of ``h @ w.T + bias`` (GPU).
 

@@ -22,6 +22,14 @@ BLOCK = 1024
 NUM_WARPS = 4
 
 
+def refuses(*, activation=None, **_) -> str | None:
+  """Why these kernels cannot take a call (None: they can): an activation they lack. The
+  activations' kernels (this module's, bias_activation's and gated_linear's) share it."""
+  if activation is not None and activation not in ACTIVATIONS:
+    return f"supports the named activations {ACTIVATIONS}, got activation={activation!r}"
+  return None
+
+
 @triton.jit
 def _tanh(x):
   # tl.math has no tanh; use exp away from 0 and the Taylor series near it (no cancellation).
@@ -181,14 +189,14 @@ def _flat_call(kernel, inputs, out_dtype, **constants):
   return out.reshape(shape)
 
 
-def add_act_forward(a, b, act: str):
-  """``act(a + b)`` through jax-triton (GPU only)."""
-  return _flat_call(add_act_fwd_kernel, (a, b), a.dtype, ACT=act)
+def add_act_forward(a, b, activation: str):
+  """``activation(a + b)`` through jax-triton (GPU only)."""
+  return _flat_call(add_act_fwd_kernel, (a, b), a.dtype, ACT=activation)
 
 
-def add_act_backward(a, b, g, act: str):
-  """``g * act'(a + b)`` through jax-triton (GPU only)."""
-  return _flat_call(add_act_bwd_kernel, (a, b, g), a.dtype, ACT=act)
+def add_act_backward(a, b, g, activation: str):
+  """``g * activation'(a + b)`` through jax-triton (GPU only)."""
+  return _flat_call(add_act_bwd_kernel, (a, b, g), a.dtype, ACT=activation)
 
 
 def add_forward(a, b):
@@ -196,15 +204,15 @@ def add_forward(a, b):
   return _flat_call(add_kernel, (a, b), a.dtype)
 
 
-def act_forward(c, act: str):
-  """``act(c)`` through jax-triton (GPU only): the second kernel of the unfused chain."""
-  return _flat_call(act_fwd_kernel, (c,), c.dtype, ACT=act)
+def act_forward(c, activation: str):
+  """``activation(c)`` through jax-triton (GPU only): the second kernel of the unfused chain."""
+  return _flat_call(act_fwd_kernel, (c,), c.dtype, ACT=activation)
 
 
-def act_backward(c, g, act: str):
-  """``g * act'(c)`` through jax-triton (GPU only): the unfused chain's backward, reading the
+def act_backward(c, g, activation: str):
+  """``g * activation'(c)`` through jax-triton (GPU only): the unfused chain's backward, reading the
   saved ``c``."""
-  return _flat_call(act_bwd_kernel, (c, g), c.dtype, ACT=act)
+  return _flat_call(act_bwd_kernel, (c, g), c.dtype, ACT=activation)
 
 
 def relu_backward_from_output(y, g):

@@ -644,6 +644,11 @@ def attention_bwd_dbias_kernel(q_ptr, k_ptr, v_ptr, kv_len_ptr, q_seg_ptr, kv_se
 # The jax-triton wrappers -----------------------------------------------------------------------
 
 
+# The widest head the tiles take (the tile sizes are the Pallas kernels', jaxfuse.ops.
+# flash_attention.tuning).
+MAX_HEAD_DIM = 256
+
+
 def next_power_of_2(n: int) -> int:
   return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
 
@@ -763,6 +768,20 @@ def forward(q, k, v, q_seg, kv_seg, kv_lengths, bias, *, causal, scale: float, b
     out_shape.append(jax.ShapeDtypeStruct((q.shape[0], q.shape[2], q.shape[1]), jnp.float32))
   outs = _call(launch, operands, out_shape)
   return (outs[0], outs[1]) if with_lse else (outs[0], None)
+
+
+def forward_output(q, k, v, q_seg, kv_seg, kv_lengths, bias, **options):
+  """The attention output alone (:func:`forward` without the log-sum-exp): the primal pass,
+  which keeps no residuals."""
+  return forward(q, k, v, q_seg, kv_seg, kv_lengths, bias, with_lse=False, **options)[0]
+
+
+def refuses(*, head_dim: int | None = None, **_) -> str | None:
+  """Why these kernels cannot take a call (None: they can): a head dim wider than their tiles
+  hold."""
+  if head_dim is not None and head_dim > MAX_HEAD_DIM:
+    return f"takes a head dim of at most {MAX_HEAD_DIM}, got {head_dim}"
+  return None
 
 
 def backward(q, k, v, q_seg, kv_seg, kv_lengths, bias, o, lse, do, *, causal, scale: float,

@@ -16,7 +16,7 @@ import math
 import triton
 import triton.language as tl
 
-from .elementwise import ACTIVATIONS, activation, activation_grad  # noqa: F401
+from .elementwise import ACTIVATIONS, activation, activation_grad, refuses  # noqa: F401
 
 BLOCK_R = 8
 BLOCK_C = 256
@@ -71,7 +71,7 @@ def grid_for(rows: int, h: int, block_r: int = BLOCK_R, block_c: int = BLOCK_C) 
   return (max(1, math.ceil(rows / block_r)), max(1, math.ceil(h / block_c)))
 
 
-def glu_forward(a, b, act: str):
+def glu_forward(a, b, activation: str):
   """``act(a) * b`` for 2-D ``a`` and ``b``, or packed ``a = [a | b]`` when ``b`` is None (GPU)."""
   import jax
   import jax_triton
@@ -83,10 +83,10 @@ def glu_forward(a, b, act: str):
       a, a if packed else b, kernel=glu_fwd_kernel,
       out_shape=jax.ShapeDtypeStruct((rows, h), a.dtype), grid=grid_for(rows, h),
       num_warps=NUM_WARPS, ROWS=rows, H=h, IN_STRIDE=2 * h if packed else h,
-      B_OFFSET=h if packed else 0, BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, ACT=act)
+      B_OFFSET=h if packed else 0, BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, ACT=activation)
 
 
-def glu_backward(a, b, g, act: str):
+def glu_backward(a, b, g, activation: str):
   """``(da, db)`` for 2-D ``a`` and ``b``, or packed ``dx`` when ``b`` is None (GPU)."""
   import jax
   import jax_triton
@@ -96,9 +96,9 @@ def glu_backward(a, b, g, act: str):
     return jax_triton.triton_call(
         a, g, kernel=glu_bwd_packed_kernel, out_shape=jax.ShapeDtypeStruct(a.shape, a.dtype),
         grid=grid_for(rows, h), num_warps=NUM_WARPS, ROWS=rows, H=h, BLOCK_R=BLOCK_R,
-        BLOCK_C=BLOCK_C, ACT=act)
+        BLOCK_C=BLOCK_C, ACT=activation)
   out = jax.ShapeDtypeStruct((rows, h), a.dtype)
   return tuple(jax_triton.triton_call(
       a, b, g, kernel=glu_bwd_kernel, out_shape=[out, out], grid=grid_for(rows, h),
       num_warps=NUM_WARPS, ROWS=rows, H=h, IN_STRIDE=h, B_OFFSET=0, BLOCK_R=BLOCK_R,
-      BLOCK_C=BLOCK_C, ACT=act))
+      BLOCK_C=BLOCK_C, ACT=activation))

@@ -144,6 +144,13 @@ def rms_norm_bwd_kernel(x_ptr, g_ptr, w_ptr, rstd_ptr, dx_ptr, dw_ptr, R: tl.con
                   ROWS_PER_PROGRAM, BLOCK_H, False, False, HAS_SCALE, False)
 
 
+def refuses(*, hidden: int | None = None, **_) -> str | None:
+  """Why these kernels cannot take a call (None: they can): rows wider than they hold."""
+  if hidden is not None and hidden > MAX_HIDDEN:
+    return f"takes a hidden size (x.shape[-1]) of at most {MAX_HIDDEN}, got {hidden}"
+  return None
+
+
 def block_for(n_cols: int) -> int:
   """The power-of-2 block holding a whole row."""
   if n_cols > MAX_HIDDEN:

@@ -60,12 +60,11 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxfuse.kernels.pallas import flash_attention as pallas_attention
 from jaxfuse.kernels.pallas.flash_attention import BlockSizes
 from jaxfuse.ops import base, names, partitioning
 from jaxfuse.ops.flash_attention import arguments, reference, tuning, xla
 
-ATTENTION = base.Op("attention", ("pallas", "triton", "xla"), base.KERNEL_GPU_ORDER)
+ATTENTION = base.Op("attention", "flash_attention", base.KERNEL_GPU_ORDER)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,23 +147,20 @@ def make_config(q, k, *, causal: str | None, scale: float, implementation: str |
                 logit_softcap: float | None = None) -> Config:
   """The static configuration of attention of ``q`` over ``k`` (checked arguments; ``causal``
   None, ``"top_left"`` or ``"bottom_right"``): the implementation and its tiles."""
-  backend = ATTENTION.backend(implementation)
-  if (implementation is None and backend["impl"] in ("pallas", "triton")
-      and q.shape[-1] > pallas_attention.MAX_HEAD_DIM):
-    backend = {"impl": "xla", "interpret": False}  # the kernels' tiles would not fit
-  kernels = backend["impl"] in ("pallas", "triton")
+  impl = ATTENTION.resolve(implementation, {"head_dim": q.shape[-1]})
+  kernels = ATTENTION.module_name(impl) is not None
   blocks = (tuning.block_sizes_for(q, k, causal=causal is not None, has_bias=has_bias)
             if kernels else None)
-  return Config(**backend, causal=causal, scale=scale, blocks=blocks,
-                xla_block=0 if kernels else xla.xla_block_size(q.shape[1], k.shape[1]),
-                sliding_window=sliding_window,
-                softcap=None if logit_softcap is None else float(logit_softcap))
+  return ATTENTION.config(impl, Config, causal=causal, scale=scale, blocks=blocks,
+                          xla_block=0 if kernels else xla.xla_block_size(q.shape[1], k.shape[1]),
+                          sliding_window=sliding_window,
+                          softcap=None if logit_softcap is None else float(logit_softcap))
 
 
 def lse_in_base2(cfg: Config) -> bool:
   """Whether the log-sum-exp of ``cfg``'s kernels is in base 2 (the Pallas and Triton
   kernels') rather than natural; rows that see no key have ``+inf`` in either."""
-  return cfg.impl in ("pallas", "triton")
+  return cfg.on_kernels
 
 
 def forward_with_lse(q, k, v, cfg: Config):
@@ -184,9 +180,10 @@ def backward_from_lse(q, k, v, o, lse, do, cfg: Config):
 # Forward and backward ---------------------------------------------------------------------------
 
 
-def _pallas_masks(cfg):
-  """The Pallas (and Triton) kernels' mask and soft-cap arguments."""
-  return dict(causal=cfg.causal, window=cfg.sliding_window, softcap=cfg.softcap)
+def _kernel_options(cfg):
+  """The Pallas and Triton kernels' static arguments."""
+  return dict(causal=cfg.causal, window=cfg.sliding_window, softcap=cfg.softcap,
+              scale=cfg.scale, blocks=cfg.blocks)
 
 #
 # Every implementation's kernels are differentiated (for second order only) as the reference:
@@ -229,44 +226,31 @@ def _rule(q, k, bias, *, backward: bool = False, with_lse: bool = True):
                            sizes=(("g", groups),) if groups > 1 else ())
 
 
-def _forward(q, k, v, q_seg, kv_seg, kv_lengths, bias, cfg, with_lse=True):
+def _forward(q, k, v, q_seg, kv_seg, kv_lengths, bias, cfg):
+  """``(o, lse)``, the log-sum-exp in the base :func:`lse_in_base2` says."""
   twin = functools.partial(reference.forward_with_lse, causal=cfg.causal, scale=cfg.scale,
                            window=cfg.sliding_window, softcap=cfg.softcap,
                            base2=lse_in_base2(cfg))
-  if cfg.impl in ("pallas", "triton"):
-    if cfg.impl == "pallas":
-      kernel = functools.partial(pallas_attention.forward, **_pallas_masks(cfg),
-                                 scale=cfg.scale, blocks=cfg.blocks, interpret=cfg.interpret)
-    else:
-      from jaxfuse.kernels.triton import flash_attention as triton_attention
+  return cfg.run("forward", twin, q, k, v, q_seg, kv_seg, kv_lengths, bias,
+                 rule=_rule(q, k, bias), xla_kernel=functools.partial(xla.forward, cfg=cfg),
+                 **_kernel_options(cfg))
 
-      kernel = functools.partial(triton_attention.forward, **_pallas_masks(cfg),
-                                 scale=cfg.scale, blocks=cfg.blocks)
-    if not with_lse:
-      output_only = functools.partial(kernel, with_lse=False)
-      return base.kernel_call(lambda *a: output_only(*a)[0], lambda *a: twin(*a)[0], q, k, v,
-                              q_seg, kv_seg, kv_lengths, bias,
-                              rule=_rule(q, k, bias, with_lse=False)), None
-  else:
-    kernel = functools.partial(xla.forward, cfg=cfg)
-  return base.kernel_call(kernel, twin, q, k, v, q_seg, kv_seg, kv_lengths, bias,
-                          rule=_rule(q, k, bias))
+
+def _output(q, k, v, q_seg, kv_seg, kv_lengths, bias, cfg):
+  """The output alone: the kernels then write no log-sum-exp."""
+  twin = functools.partial(reference.forward_with_lse, causal=cfg.causal, scale=cfg.scale,
+                           window=cfg.sliding_window, softcap=cfg.softcap,
+                           base2=lse_in_base2(cfg))
+  return cfg.run("forward_output", lambda *a: twin(*a)[0], q, k, v, q_seg, kv_seg, kv_lengths,
+                 bias, rule=_rule(q, k, bias, with_lse=False),
+                 xla_kernel=lambda *a: xla.forward(*a, cfg=cfg)[0], **_kernel_options(cfg))
 
 
 def _backward(q, k, v, q_seg, kv_seg, kv_lengths, bias, o, lse, do, cfg):
-  if cfg.impl == "pallas":
-    kernel = functools.partial(pallas_attention.backward, **_pallas_masks(cfg),
-                               scale=cfg.scale, blocks=cfg.blocks, interpret=cfg.interpret)
-  elif cfg.impl == "triton":
-    from jaxfuse.kernels.triton import flash_attention as triton_attention
-
-    kernel = functools.partial(triton_attention.backward, **_pallas_masks(cfg),
-                               scale=cfg.scale, blocks=cfg.blocks)
-  else:
-    kernel = functools.partial(xla.backward, cfg=cfg)
   twin = functools.partial(_reference_backward, cfg=cfg)
-  return base.kernel_call(kernel, twin, q, k, v, q_seg, kv_seg, kv_lengths, bias, o, lse, do,
-                          rule=_rule(q, k, bias, backward=True))
+  return cfg.run("backward", twin, q, k, v, q_seg, kv_seg, kv_lengths, bias, o, lse, do,
+                 rule=_rule(q, k, bias, backward=True),
+                 xla_kernel=functools.partial(xla.backward, cfg=cfg), **_kernel_options(cfg))
 
 
 # The custom VJP ---------------------------------------------------------------------------------
@@ -277,7 +261,7 @@ def _backward(q, k, v, q_seg, kv_seg, kv_lengths, bias, o, lse, do, cfg):
 def attention_vjp(q, k, v, q_seg, kv_seg, kv_lengths, bias, cfg):
   """The differentiable core of :func:`attention`, on checked and normalized arguments."""
   # The primal alone: the output, without the log-sum-exp.
-  return _forward(q, k, v, q_seg, kv_seg, kv_lengths, bias, cfg, with_lse=False)[0]
+  return _output(q, k, v, q_seg, kv_seg, kv_lengths, bias, cfg)
 
 
 def _attention_fwd(q, k, v, q_seg, kv_seg, kv_lengths, bias, cfg):

@@ -109,21 +109,20 @@ def autotune(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
   """
   from jaxfuse.ops.flash_attention import op as attention_op
 
-  dispatch.resolve("attention.autotune", "pallas", attention_op.ATTENTION.implementations)
+  attention_op.ATTENTION.resolve("pallas")   # raises where Pallas cannot run
   arguments.check("attention.autotune", q, k, v, None, None, bias)
   candidates = list(candidates or default_candidates(q.shape[-1], q.dtype,
                                                      has_bias=bias is not None))
   timer = timer or _wall_time
-  interpret = not dispatch.on_gpu()
   scale = arguments.default_scale(None, q.shape[-1])
   expanded = None if bias is None else arguments.expand_bias(bias, q.shape[1], k.shape[1])
   results = []
   errors = []
   for sizes in candidates:
-    cfg = attention_op.Config(impl="pallas", interpret=interpret,
-                              causal=arguments.causal_alignment("attention.autotune", causal),
-                              scale=scale,
-                              blocks=sizes.clipped(q.shape[1], k.shape[1]), xla_block=0)
+    cfg = attention_op.ATTENTION.config(
+        "pallas", attention_op.Config,
+        causal=arguments.causal_alignment("attention.autotune", causal), scale=scale,
+        blocks=sizes.clipped(q.shape[1], k.shape[1]), xla_block=0)
 
     def loss(q, k, v, cfg=cfg):
       o = attention_op.attention_vjp(q, k, v, None, None, None, expanded, cfg)
