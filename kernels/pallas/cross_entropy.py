@@ -116,6 +116,27 @@ def _stats_kernel(*refs, n, v, d, bt, bv, bd, softcap, has_bias):
   pl_triton.store(arg_ref, best, mask=rows_ok)
 
 
+def _specs(bt):
+  """The block specs of a grid over token tiles (and vocabulary tiles, whose program id the
+  index maps ignore): a whole operand, and a ``[bt]`` tile of a per-token vector."""
+  whole = lambda x: pl.BlockSpec(x.shape, lambda i, *_: (0,) * x.ndim)  # noqa: E731
+  row = pl.BlockSpec((bt,), lambda i, *_: (i,))
+  return whole, row
+
+
+def _operands(h, w, bias, per_token, whole, row):
+  """The kernels' operands (``h``, ``w``, the bias if any, then the per-token vectors) and
+  their specs."""
+  params = [h, w] + ([bias] if bias is not None else [])
+  return params + list(per_token), [whole(x) for x in params] + [row] * len(per_token)
+
+
+def _estimate(inputs, out_shape, n, v, d, softcap):
+  """The cost estimate (a scheduling hint) of a pass over the ``[n, v]`` logits."""
+  return common.cost(inputs, out_shape, flops=2 * n * v * d + 8 * n * v,
+                     transcendentals=n * v * (3 if softcap is not None else 1))
+
+
 def refuses(*, grad_in_forward: bool = False, **_) -> str | None:
   """Why these kernels cannot take a call (None: they can): they compute the gradients in the
   backward pass only (``grad_in_forward=True`` is an XLA mode)."""
@@ -143,19 +164,13 @@ def stats_forward(h, w, bias, labels, *, softcap=None, interpret=False, blocks=N
   n, d = h.shape
   v = w.shape[0]
   bt, bv, bd = _blocks(n, v, d, interpret, blocks, h.dtype)
-  num_warps = _warps(num_warps, h.dtype)
-  has_bias = bias is not None
   kernel = functools.partial(_stats_kernel, n=n, v=v, d=d, bt=bt, bv=bv, bd=bd, softcap=softcap,
-                             has_bias=has_bias)
+                             has_bias=bias is not None)
   grid = (pl.cdiv(n, bt),)
-  whole = lambda x: pl.BlockSpec(x.shape, lambda i: (0,) * x.ndim)  # noqa: E731
-  row = pl.BlockSpec((bt,), lambda i: (i,))
-  inputs = [h, w] + ([bias] if has_bias else []) + [labels]
-  in_specs = [whole(h), whole(w)] + ([whole(bias)] if has_bias else []) + [row]
+  whole, row = _specs(bt)
+  inputs, in_specs = _operands(h, w, bias, [labels], whole, row)
   out_shape = [jax.ShapeDtypeStruct((n,), jnp.float32)] * 3 + [
       jax.ShapeDtypeStruct((n,), jnp.int32)]
-  estimate = common.cost(inputs, out_shape, flops=2 * n * v * d + 8 * n * v,
-                         transcendentals=n * v * (3 if softcap is not None else 1))
   return common.pallas_call(
       kernel,
       out_shape=out_shape,
@@ -163,8 +178,8 @@ def stats_forward(h, w, bias, labels, *, softcap=None, interpret=False, blocks=N
       in_specs=in_specs,
       out_specs=[row] * 4,
       interpret=interpret,
-      compiler_params=common.triton_params(num_warps=num_warps, num_stages=2),
-      cost_estimate=estimate,
+      compiler_params=common.triton_params(num_warps=_warps(num_warps, h.dtype), num_stages=2),
+      cost_estimate=_estimate(inputs, out_shape, n, v, d, softcap),
       name="linear_xent_fwd",
   )(*inputs)
 
@@ -208,19 +223,12 @@ def logit_grad(h, w, bias, labels, lse, a, b, c, *, softcap=None, smoothing=True
   n, d = h.shape
   v = w.shape[0]
   bt, bv, bd = _blocks(n, v, d, interpret, blocks, h.dtype)
-  num_warps = _warps(num_warps, h.dtype)
-  has_bias = bias is not None
-  out_dtype = out_dtype or h.dtype
   kernel = functools.partial(_grad_kernel, n=n, v=v, d=d, bt=bt, bv=bv, bd=bd, softcap=softcap,
-                             has_bias=has_bias, smoothing=smoothing)
+                             has_bias=bias is not None, smoothing=smoothing)
   grid = (pl.cdiv(n, bt), pl.cdiv(v, bv))
-  whole = lambda x: pl.BlockSpec(x.shape, lambda i, j: (0,) * x.ndim)  # noqa: E731
-  row = pl.BlockSpec((bt,), lambda i, j: (i,))
-  inputs = [h, w] + ([bias] if has_bias else []) + [labels, lse, a, b, c]
-  in_specs = [whole(h), whole(w)] + ([whole(bias)] if has_bias else []) + [row] * 5
-  out_shape = jax.ShapeDtypeStruct((n, v), out_dtype)
-  estimate = common.cost(inputs, out_shape, flops=2 * n * v * d + 8 * n * v,
-                         transcendentals=n * v * (3 if softcap is not None else 1))
+  whole, row = _specs(bt)
+  inputs, in_specs = _operands(h, w, bias, [labels, lse, a, b, c], whole, row)
+  out_shape = jax.ShapeDtypeStruct((n, v), out_dtype or h.dtype)
   return common.pallas_call(
       kernel,
       out_shape=out_shape,
@@ -228,7 +236,7 @@ def logit_grad(h, w, bias, labels, lse, a, b, c, *, softcap=None, smoothing=True
       in_specs=in_specs,
       out_specs=whole(out_shape),
       interpret=interpret,
-      compiler_params=common.triton_params(num_warps=num_warps, num_stages=2),
-      cost_estimate=estimate,
+      compiler_params=common.triton_params(num_warps=_warps(num_warps, h.dtype), num_stages=2),
+      cost_estimate=_estimate(inputs, out_shape, n, v, d, softcap),
       name="linear_xent_bwd_logit_grad",
   )(*inputs)

@@ -45,6 +45,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
+from .. import limits
 from . import common
 
 LOG2E = 1.4426950408889634
@@ -132,7 +133,7 @@ BIAS_HEURISTIC_TABLE: dict[tuple[int, int], BlockSizes] = {
                          num_warps_bwd=8, num_stages_bwd=2),
 }
 
-MAX_HEAD_DIM = 256
+MAX_HEAD_DIM = limits.MAX_HEAD_DIM
 
 
 def heuristic_block_sizes(head_dim: int, dtype, *, has_bias: bool = False) -> BlockSizes:
@@ -671,17 +672,11 @@ def _dbias_kernel(q_ref, k_ref, v_ref, *refs, spec: _Spec, bq: int, bk: int):
 
 
 def forward_output(q, k, v, q_seg, kv_seg, kv_lengths, bias, **options):
-  """The attention output alone (:func:`forward` without the log-sum-exp): the primal pass,
-  which keeps no residuals."""
+  """The attention output alone, the primal pass: :func:`forward` without the log-sum-exp."""
   return forward(q, k, v, q_seg, kv_seg, kv_lengths, bias, with_lse=False, **options)[0]
 
 
-def refuses(*, head_dim: int | None = None, **_) -> str | None:
-  """Why these kernels cannot take a call (None: they can): a head dim wider than their tiles
-  hold."""
-  if head_dim is not None and head_dim > MAX_HEAD_DIM:
-    return f"takes a head dim of at most {MAX_HEAD_DIM}, got {head_dim}"
-  return None
+refuses = limits.refuses_head_dim
 
 
 def backward(q, k, v, q_seg, kv_seg, kv_lengths, bias, o, lse, do, *,

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
+from .. import limits
 from . import common
 
 # Tile sizes: (block_i, block_j, block_k). Interpret mode walks the grid in a loop, so it uses
@@ -64,12 +65,7 @@ def matmul(a: jax.Array, b: jax.Array, *, a_layout: str = "ik", b_layout: str = 
     blocks: ``(block_i, block_j, block_k)``, powers of 2 (default by mode).
     name: the kernel's name in profiles and lowered HLO.
   """
-  if a_layout not in ("ik", "ki") or b_layout not in ("jk", "kj"):
-    raise ValueError(f"layouts must be ik|ki and jk|kj, got {a_layout!r}, {b_layout!r}")
-  size_i, size_k = a.shape if a_layout == "ik" else a.shape[::-1]
-  size_j, size_kb = b.shape if b_layout == "jk" else b.shape[::-1]
-  if size_k != size_kb:
-    raise ValueError(f"contracted sizes differ: {size_k} (a) and {size_kb} (b)")
+  size_i, size_j, size_k = limits.matmul_sizes(a.shape, b.shape, a_layout, b_layout)
   out_dtype = jnp.dtype(out_dtype or a.dtype)
   bi, bj, bk = _blocks(size_i, size_j, size_k, blocks, interpret)
   n_k = pl.cdiv(size_k, bk)

@@ -29,6 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
+from .. import limits
 from . import common
 
 F32 = jnp.float32
@@ -66,15 +67,13 @@ def tiling(n_rows: int, n_cols: int, *, max_cols: int = MAX_COLS,
 
 def refuses(*, hidden: int | None = None, **_) -> str | None:
   """Why these kernels cannot take a call (None: they can): rows wider than they hold."""
-  if hidden is not None and hidden > MAX_HIDDEN:
-    return f"takes a hidden size (x.shape[-1]) of at most {MAX_HIDDEN}, got {hidden}"
-  return None
+  return limits.too_large("a hidden size (x.shape[-1])", hidden, MAX_HIDDEN)
 
 
 def _check_hidden(n_cols: int) -> None:
-  if n_cols > MAX_HIDDEN:
-    raise ValueError(f"the Pallas normalization kernels take a hidden size of at most "
-                     f"{MAX_HIDDEN}, got {n_cols}; use implementation='xla'")
+  reason = limits.too_large("a hidden size", n_cols, MAX_HIDDEN)
+  if reason:
+    raise ValueError(f"the Pallas normalization kernels {reason}; use implementation='xla'")
 
 
 def _col_mask(start, cols: int, n_cols: int):

@@ -104,26 +104,36 @@ def activation_grad(x, ACT: tl.constexpr):
 
 
 @triton.jit
+def _block(N: tl.constexpr, BLOCK: tl.constexpr):
+  """This program's flat offsets and the mask of its tail."""
+  offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+  return offsets, offsets < N
+
+
+@triton.jit
+def _load(ptr, offsets, mask):
+  return tl.load(ptr + offsets, mask=mask).to(tl.float32)
+
+
+@triton.jit
+def _store(ptr, offsets, value, mask):
+  tl.store(ptr + offsets, value.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def add_act_fwd_kernel(a_ptr, b_ptr, out_ptr, N: tl.constexpr, BLOCK: tl.constexpr,
                        ACT: tl.constexpr):
-  offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-  mask = offsets < N
-  a = tl.load(a_ptr + offsets, mask=mask).to(tl.float32)
-  b = tl.load(b_ptr + offsets, mask=mask).to(tl.float32)
-  y = activation(a + b, ACT)
-  tl.store(out_ptr + offsets, y.to(out_ptr.dtype.element_ty), mask=mask)
+  offsets, mask = _block(N, BLOCK)
+  x = _load(a_ptr, offsets, mask) + _load(b_ptr, offsets, mask)
+  _store(out_ptr, offsets, activation(x, ACT), mask)
 
 
 @triton.jit
 def add_act_bwd_kernel(a_ptr, b_ptr, g_ptr, out_ptr, N: tl.constexpr, BLOCK: tl.constexpr,
                        ACT: tl.constexpr):
-  offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-  mask = offsets < N
-  a = tl.load(a_ptr + offsets, mask=mask).to(tl.float32)
-  b = tl.load(b_ptr + offsets, mask=mask).to(tl.float32)
-  g = tl.load(g_ptr + offsets, mask=mask).to(tl.float32)
-  d = g * activation_grad(a + b, ACT)
-  tl.store(out_ptr + offsets, d.to(out_ptr.dtype.element_ty), mask=mask)
+  offsets, mask = _block(N, BLOCK)
+  x = _load(a_ptr, offsets, mask) + _load(b_ptr, offsets, mask)
+  _store(out_ptr, offsets, _load(g_ptr, offsets, mask) * activation_grad(x, ACT), mask)
 
 
 # The unfused chain's kernels: an add, then ``ACT`` alone, each reading and writing memory, and
@@ -133,39 +143,29 @@ def add_act_bwd_kernel(a_ptr, b_ptr, g_ptr, out_ptr, N: tl.constexpr, BLOCK: tl.
 
 @triton.jit
 def add_kernel(a_ptr, b_ptr, out_ptr, N: tl.constexpr, BLOCK: tl.constexpr):
-  offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-  mask = offsets < N
-  a = tl.load(a_ptr + offsets, mask=mask).to(tl.float32)
-  b = tl.load(b_ptr + offsets, mask=mask).to(tl.float32)
-  tl.store(out_ptr + offsets, (a + b).to(out_ptr.dtype.element_ty), mask=mask)
+  offsets, mask = _block(N, BLOCK)
+  _store(out_ptr, offsets, _load(a_ptr, offsets, mask) + _load(b_ptr, offsets, mask), mask)
 
 
 @triton.jit
 def act_fwd_kernel(c_ptr, out_ptr, N: tl.constexpr, BLOCK: tl.constexpr, ACT: tl.constexpr):
-  offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-  mask = offsets < N
-  c = tl.load(c_ptr + offsets, mask=mask).to(tl.float32)
-  tl.store(out_ptr + offsets, activation(c, ACT).to(out_ptr.dtype.element_ty), mask=mask)
+  offsets, mask = _block(N, BLOCK)
+  _store(out_ptr, offsets, activation(_load(c_ptr, offsets, mask), ACT), mask)
 
 
 @triton.jit
 def act_bwd_kernel(c_ptr, g_ptr, out_ptr, N: tl.constexpr, BLOCK: tl.constexpr,
                    ACT: tl.constexpr):
-  offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-  mask = offsets < N
-  c = tl.load(c_ptr + offsets, mask=mask).to(tl.float32)
-  g = tl.load(g_ptr + offsets, mask=mask).to(tl.float32)
-  d = g * activation_grad(c, ACT)
-  tl.store(out_ptr + offsets, d.to(out_ptr.dtype.element_ty), mask=mask)
+  offsets, mask = _block(N, BLOCK)
+  c = _load(c_ptr, offsets, mask)
+  _store(out_ptr, offsets, _load(g_ptr, offsets, mask) * activation_grad(c, ACT), mask)
 
 
 @triton.jit
 def relu_bwd_from_output_kernel(y_ptr, g_ptr, out_ptr, N: tl.constexpr, BLOCK: tl.constexpr):
-  offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-  mask = offsets < N
-  y = tl.load(y_ptr + offsets, mask=mask).to(tl.float32)
-  g = tl.load(g_ptr + offsets, mask=mask).to(tl.float32)
-  tl.store(out_ptr + offsets, tl.where(y > 0.0, g, 0.0).to(out_ptr.dtype.element_ty), mask=mask)
+  offsets, mask = _block(N, BLOCK)
+  y = _load(y_ptr, offsets, mask)
+  _store(out_ptr, offsets, tl.where(y > 0.0, _load(g_ptr, offsets, mask), 0.0), mask)
 
 
 def grid_for(n: int, block: int = BLOCK) -> tuple[int]:

@@ -47,6 +47,7 @@ import math
 import triton
 import triton.language as tl
 
+from .. import limits
 from .elementwise import activation
 
 LOG2E = 1.4426950408889634
@@ -644,11 +645,6 @@ def attention_bwd_dbias_kernel(q_ptr, k_ptr, v_ptr, kv_len_ptr, q_seg_ptr, kv_se
 # The jax-triton wrappers -----------------------------------------------------------------------
 
 
-# The widest head the tiles take (the tile sizes are the Pallas kernels', jaxfuse.ops.
-# flash_attention.tuning).
-MAX_HEAD_DIM = 256
-
-
 def next_power_of_2(n: int) -> int:
   return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
 
@@ -771,17 +767,12 @@ def forward(q, k, v, q_seg, kv_seg, kv_lengths, bias, *, causal, scale: float, b
 
 
 def forward_output(q, k, v, q_seg, kv_seg, kv_lengths, bias, **options):
-  """The attention output alone (:func:`forward` without the log-sum-exp): the primal pass,
-  which keeps no residuals."""
-  return forward(q, k, v, q_seg, kv_seg, kv_lengths, bias, with_lse=False, **options)[0]
+  """``o`` alone through jax-triton (GPU): :func:`forward` writing no log-sum-exp."""
+  o, _ = forward(q, k, v, q_seg, kv_seg, kv_lengths, bias, with_lse=False, **options)
+  return o
 
 
-def refuses(*, head_dim: int | None = None, **_) -> str | None:
-  """Why these kernels cannot take a call (None: they can): a head dim wider than their tiles
-  hold."""
-  if head_dim is not None and head_dim > MAX_HEAD_DIM:
-    return f"takes a head dim of at most {MAX_HEAD_DIM}, got {head_dim}"
-  return None
+refuses = limits.refuses_head_dim
 
 
 def backward(q, k, v, q_seg, kv_seg, kv_lengths, bias, o, lse, do, *, causal, scale: float,

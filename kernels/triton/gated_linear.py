@@ -24,23 +24,26 @@ NUM_WARPS = 4
 
 
 @triton.jit
-def _tile(ROWS: tl.constexpr, H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _load_tile(a_ptr, b_ptr, ROWS: tl.constexpr, H: tl.constexpr, IN_STRIDE: tl.constexpr,
+               B_OFFSET: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+  """This program's tile: the offsets of its gate and value in the inputs, the offsets of its
+  output (``[ROWS, H]``), the mask, and the gate and value in float32."""
   rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
   cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
   mask = (rows[:, None] < ROWS) & (cols[None, :] < H)
-  return rows, cols, mask
+  offsets = rows[:, None].to(tl.int64) * IN_STRIDE + cols[None, :]
+  out = rows[:, None].to(tl.int64) * H + cols[None, :]
+  a = tl.load(a_ptr + offsets, mask=mask).to(tl.float32)
+  b = tl.load(b_ptr + B_OFFSET + offsets, mask=mask).to(tl.float32)
+  return offsets, out, mask, a, b
 
 
 @triton.jit
 def glu_fwd_kernel(a_ptr, b_ptr, out_ptr, ROWS: tl.constexpr, H: tl.constexpr,
                    IN_STRIDE: tl.constexpr, B_OFFSET: tl.constexpr, BLOCK_R: tl.constexpr,
                    BLOCK_C: tl.constexpr, ACT: tl.constexpr):
-  rows, cols, mask = _tile(ROWS, H, BLOCK_R, BLOCK_C)
-  offsets = rows[:, None].to(tl.int64) * IN_STRIDE + cols[None, :]
-  a = tl.load(a_ptr + offsets, mask=mask).to(tl.float32)
-  b = tl.load(b_ptr + B_OFFSET + offsets, mask=mask).to(tl.float32)
+  _, out, mask, a, b = _load_tile(a_ptr, b_ptr, ROWS, H, IN_STRIDE, B_OFFSET, BLOCK_R, BLOCK_C)
   y = activation(a, ACT) * b
-  out = rows[:, None].to(tl.int64) * H + cols[None, :]
   tl.store(out_ptr + out, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -49,11 +52,9 @@ def glu_bwd_kernel(a_ptr, b_ptr, g_ptr, da_ptr, db_ptr, ROWS: tl.constexpr, H: t
                    IN_STRIDE: tl.constexpr, B_OFFSET: tl.constexpr, BLOCK_R: tl.constexpr,
                    BLOCK_C: tl.constexpr, ACT: tl.constexpr):
   """``da = g * b * act'(a)``, ``db = g * act(a)``, written in the inputs' layout."""
-  rows, cols, mask = _tile(ROWS, H, BLOCK_R, BLOCK_C)
-  offsets = rows[:, None].to(tl.int64) * IN_STRIDE + cols[None, :]
-  a = tl.load(a_ptr + offsets, mask=mask).to(tl.float32)
-  b = tl.load(b_ptr + B_OFFSET + offsets, mask=mask).to(tl.float32)
-  g = tl.load(g_ptr + rows[:, None].to(tl.int64) * H + cols[None, :], mask=mask).to(tl.float32)
+  offsets, out, mask, a, b = _load_tile(a_ptr, b_ptr, ROWS, H, IN_STRIDE, B_OFFSET, BLOCK_R,
+                                        BLOCK_C)
+  g = tl.load(g_ptr + out, mask=mask).to(tl.float32)
   da = g * b * activation_grad(a, ACT)
   db = g * activation(a, ACT)
   tl.store(da_ptr + offsets, da.to(da_ptr.dtype.element_ty), mask=mask)

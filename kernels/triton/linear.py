@@ -29,6 +29,8 @@ import math
 import triton
 import triton.language as tl
 
+from .. import limits
+
 # (BLOCK_I, BLOCK_J, BLOCK_K): tiles that fit registers and shared memory with 4 warps.
 BLOCKS = (64, 64, 32)
 NUM_WARPS = 4
@@ -125,12 +127,7 @@ def matmul(a, b, *, a_layout: str = "ik", b_layout: str = "jk", bias=None, out_d
   import jax
   import jax.numpy as jnp
 
-  if a_layout not in ("ik", "ki") or b_layout not in ("jk", "kj"):
-    raise ValueError(f"layouts must be ik|ki and jk|kj, got {a_layout!r}, {b_layout!r}")
-  size_i, size_k = a.shape if a_layout == "ik" else a.shape[::-1]
-  size_j, size_kb = b.shape if b_layout == "jk" else b.shape[::-1]
-  if size_k != size_kb:
-    raise ValueError(f"contracted sizes differ: {size_k} (a) and {size_kb} (b)")
+  size_i, size_j, size_k = limits.matmul_sizes(a.shape, b.shape, a_layout, b_layout)
   out_dtype = jnp.dtype(out_dtype or a.dtype)
   if size_i == 0 or size_j == 0 or size_k == 0:
     out = jnp.zeros((size_i, size_j), jnp.float32)

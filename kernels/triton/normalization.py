@@ -30,6 +30,8 @@ import math
 import triton
 import triton.language as tl
 
+from .. import limits
+
 # The widest row. The backward kernel holds whole rows of x, g and the scale and its two float32
 # gradient accumulators in registers, at most 128 a thread with 16 warps: past 8192 columns it
 # spills on sm_90a (bfloat16 at 16384: 392 to 752 bytes a thread; at 32768: over 6 KB). Wider
@@ -146,16 +148,15 @@ def rms_norm_bwd_kernel(x_ptr, g_ptr, w_ptr, rstd_ptr, dx_ptr, dw_ptr, R: tl.con
 
 def refuses(*, hidden: int | None = None, **_) -> str | None:
   """Why these kernels cannot take a call (None: they can): rows wider than they hold."""
-  if hidden is not None and hidden > MAX_HIDDEN:
-    return f"takes a hidden size (x.shape[-1]) of at most {MAX_HIDDEN}, got {hidden}"
-  return None
+  return limits.too_large("a hidden size (x.shape[-1])", hidden, MAX_HIDDEN)
 
 
 def block_for(n_cols: int) -> int:
   """The power-of-2 block holding a whole row."""
-  if n_cols > MAX_HIDDEN:
-    raise ValueError(f"the Triton normalization kernels take a hidden size of at most "
-                     f"{MAX_HIDDEN}, got {n_cols}; use implementation='pallas' or 'xla'")
+  reason = limits.too_large("a hidden size", n_cols, MAX_HIDDEN)
+  if reason:
+    raise ValueError(f"the Triton normalization kernels {reason}; use implementation='pallas' "
+                     f"or 'xla'")
   return triton.next_power_of_2(n_cols)
 
 
@@ -170,22 +171,10 @@ def backward_grid(n_rows: int) -> tuple[int, int]:
 
 
 def forward(x, residual, scale, bias, *, eps: float, centered: bool, store_stats: bool):
-  """Normalizes the rows of ``x`` (or of ``x + residual``) through jax-triton (GPU only).
-
-  Args:
-    x: ``(rows, H)``.
-    residual: ``(rows, H)`` added to ``x`` first, or None.
-    scale, bias: ``(H,)`` or None.
-    eps: added to the variance (or mean square).
-    centered: subtract the mean (LayerNorm) or not (RMSNorm).
-    store_stats: also return the float32 statistics the backward kernel needs.
-
-  Returns:
-    ``(y, z, mean, rstd)`` as :func:`jaxfuse.kernels.pallas.normalization.forward` returns
-    them: the normalized rows in x's dtype; ``x + residual`` rounded to x's dtype (None without
-    a residual); float32 ``(rows, 1)`` mean (None unless centered and ``store_stats``) and
-    rstd (None unless ``store_stats``).
-  """
+  """Normalizes the rows of ``x`` (or of ``x + residual``) through jax-triton (GPU only): the
+  arguments and the ``(y, z, mean, rstd)`` of :func:`jaxfuse.kernels.pallas.normalization.
+  forward` (z None without a residual; float32 ``(rows, 1)`` statistics, None unless
+  ``store_stats``, and the mean unless ``centered``)."""
   import jax
   import jax.numpy as jnp
   import jax_triton
@@ -211,22 +200,9 @@ def forward(x, residual, scale, bias, *, eps: float, centered: bool, store_stats
 
 
 def backward(x, g, sum_grad, scale, mean, rstd, *, has_bias: bool):
-  """Gradients of a row normalization through jax-triton (GPU only).
-
-  Args:
-    x: ``(rows, H)``, the rows that were normalized (``x + residual`` for the add variants).
-    g: the gradient of the normalized output, ``(rows, H)``.
-    sum_grad: the gradient of the ``x + residual`` output, added to the input gradient; or None.
-    scale: ``(H,)`` or None.
-    mean: float32 ``(rows, 1)`` for LayerNorm, None for RMSNorm.
-    rstd: float32 ``(rows, 1)``.
-    has_bias: also return the bias gradient.
-
-  Returns:
-    ``(dx, dscale, dbias)`` as :func:`jaxfuse.kernels.pallas.normalization.backward` returns
-    them: dx in x's dtype; float32 ``(H,)`` parameter gradients (None where there is no such
-    parameter), summed over the per-program partials.
-  """
+  """Gradients of a row normalization through jax-triton (GPU only): the arguments and the
+  ``(dx, dscale, dbias)`` of :func:`jaxfuse.kernels.pallas.normalization.backward` (dx in x's
+  dtype; float32 ``(H,)`` parameter gradients, None where there is no such parameter)."""
   import jax
   import jax.numpy as jnp
   import jax_triton
