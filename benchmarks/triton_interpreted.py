@@ -2,12 +2,13 @@
 ``implementation="triton"``, run end to end with its kernels in Triton's interpreter.
 
 jax-triton launches the ``@triton.jit`` kernels only on a GPU. Here the op is traced as for a
-GPU and its ``jax_triton.triton_call`` goes to the stand-in of ``tests/triton_interpreter.py``
-(the one the CPU tests use), which runs each kernel, with the launch parameters jax-triton would
-use, in Triton's interpreter (``TRITON_INTERPRET=1``, torch CPU tensors) through
-``jax.pure_callback``. So a row's errors come from the op's own forward + backward step (its
-``custom_vjp``, wrappers and kernels), and its ``bytes_moved`` from the loads and stores of the
-kernels that step launched, counted while they run (:mod:`jaxfuse.metrics.triton_traffic`).
+GPU and its ``jax_triton.triton_call`` goes to the stand-in of
+:mod:`jaxfuse.testing.triton_interpreter` (the one the CPU tests use), which runs each kernel,
+with the launch parameters jax-triton would use, in Triton's interpreter
+(``TRITON_INTERPRET=1``, torch CPU tensors) through ``jax.pure_callback``. So a row's errors
+come from the op's own forward + backward step (its ``custom_vjp``, wrappers and kernels), and
+its ``bytes_moved`` from the loads and stores of the kernels that step launched, counted while
+they run (:mod:`jaxfuse.metrics.triton_traffic`).
 
 The interpreter runs each program in numpy: a suite runs it at the case's shape where that takes
 seconds and otherwise at a smaller one, and says which in each figure's source.
@@ -34,7 +35,8 @@ from benchmarks import harness
 from jaxfuse.ops import dispatch
 
 ERRORS_SOURCE = ("the op with implementation='triton', its kernels run in Triton's interpreter "
-                 "(tests/triton_interpreter.py's jax_triton), at {where}, against {reference}")
+                 "(jaxfuse/testing/triton_interpreter.py's jax_triton), at {where}, against "
+                 "{reference}")
 BYTES_SOURCE = ("kernel loads/stores counted under Triton's interpreter "
                 "(jaxfuse.metrics.triton_traffic) while the op's forward + backward step ran, "
                 "at {where}")
@@ -60,11 +62,12 @@ _interpret_unless_gpu()
 
 @functools.cache
 def available() -> bool:
-  """Whether the Triton kernels run in the interpreter here: no GPU, triton and the stand-in
-  installed, and triton loaded under ``TRITON_INTERPRET=1``."""
+  """Whether the Triton kernels run in the interpreter here: no GPU, triton and torch (the
+  stand-in's tensors, ``jaxfuse[test]``) installed, and triton loaded under
+  ``TRITON_INTERPRET=1``."""
   if dispatch.on_gpu() or importlib.util.find_spec("triton") is None:
     return False
-  if importlib.util.find_spec("tests.triton_interpreter") is None:
+  if importlib.util.find_spec("torch") is None:
     return False
   if os.environ.get("TRITON_INTERPRET") != "1":
     return False
@@ -88,7 +91,7 @@ def run_step(f: Callable, args: Sequence, cts=None, **step_options):
     :class:`jaxfuse.metrics.triton_traffic.TritonTraffic` of the kernels it launched.
   """
   from jaxfuse.metrics import triton_traffic
-  from tests import triton_interpreter
+  from jaxfuse.testing import triton_interpreter
 
   if not available():
     raise RuntimeError("Triton's interpreter is not available here (a GPU, no triton, or "
@@ -101,7 +104,7 @@ def run_step(f: Callable, args: Sequence, cts=None, **step_options):
 def residual_bytes(f: Callable, args: Sequence, **options) -> int:
   """:func:`benchmarks.harness.residual_bytes` of ``f`` traced as on a GPU, its jax-triton
   launches recorded, not run (the residuals do not depend on the kernels' values)."""
-  from tests import triton_interpreter
+  from jaxfuse.testing import triton_interpreter
 
   with triton_interpreter.triton_ops(run=False):
     return harness.residual_bytes(f, args, **options)

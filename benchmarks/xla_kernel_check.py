@@ -69,7 +69,7 @@ def _xla_figures(dump_dir: str, target) -> dict[str, dict]:
 
   from jaxfuse.metrics import kernel_resources as kr
 
-  ptxas = kr._ptxas_path(target)
+  ptxas = kr.ptxas_path(target)
   gpu = target.name
   figures: dict[str, dict] = {}
   for path in sorted(glob.glob(os.path.join(dump_dir, "**", "*.ptx"), recursive=True)):
@@ -91,7 +91,7 @@ def _driver_figures(source, target) -> dict | None:
   from jaxfuse.metrics import kernel_resources as kr
 
   try:
-    compiled, _ = kr._compile(source, target)
+    compiled, _ = kr.triton_compile(source, target)
     compiled._init_handles()
     return {"registers": compiled.n_regs, "spills": compiled.n_spills}
   except Exception as e:  # noqa: BLE001 - a figure this check can do without

@@ -6,8 +6,8 @@ import numpy as np
 import torch
 
 from jaxfuse.ops import attention
+from jaxfuse.testing.torch_ref import attention as ref
 from tests import helpers
-from tests.torch_ref import attention as ref
 
 
 def inputs(b, tq, tk, hq, hkv, d, dtype=jnp.float32, seed=0):

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from jaxfuse.ops import activation_grads, activations
+from jaxfuse.testing.torch_ref.elementwise import ACTIVATIONS as TORCH
 from tests import helpers
-from tests.torch_ref.elementwise import ACTIVATIONS as TORCH
 
 NAMES = ["silu", "gelu", "gelu_tanh", "relu", "squared_relu", "sigmoid", "tanh", "identity"]
 

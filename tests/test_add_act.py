@@ -10,7 +10,7 @@ import jaxfuse
 from jaxfuse.metrics import bytes_moved, residual_bytes
 from jaxfuse.ops import activations, add_act, add_act_unfused
 from tests import helpers
-from tests.torch_ref import elementwise as ref
+from jaxfuse.testing.torch_ref import elementwise as ref
 
 NAMED = sorted(activations.ACTIVATIONS)
 SHAPES = [(4096,), (5, 123, 123), (3, 7), ()]
@@ -192,7 +192,7 @@ def test_errors_name_the_argument():
     add_act(a, a.astype(jnp.bfloat16))
   with pytest.raises(ValueError, match=r"implementation must be None or one of.*'cuda'"):
     add_act(a, a, implementation="cuda")
-  with pytest.raises(ValueError, match=r"fn must be a callable or one of.*'swish'"):
+  with pytest.raises(ValueError, match=r"activation must be a callable or one of.*'swish'"):
     add_act(a, a, "swish")
 
 

@@ -14,8 +14,8 @@ from flax import nnx
 import jaxfuse.linen
 import jaxfuse.nnx
 from jaxfuse.ops import attention_reference, rotary_embedding
+from jaxfuse.testing.torch_ref import attention as ref
 from tests import helpers
-from tests.torch_ref import attention as ref
 
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
 

@@ -11,7 +11,7 @@ from jaxfuse.kernels.pallas import bias_activation as kernels
 from jaxfuse.metrics import bytes_moved, residual_bytes
 from jaxfuse.ops import activations, bias_act
 from tests import helpers
-from tests.torch_ref import mlp as ref
+from jaxfuse.testing.torch_ref import mlp as ref
 
 ACTS = ["gelu", "gelu_tanh", "silu", "relu", "squared_relu"]
 SIZES = [64, 768, 1000, 4097, 8192]
@@ -130,7 +130,7 @@ def test_errors_name_the_argument():
     bias_act(jnp.ones((4, 5), jnp.int32), jnp.ones(5))
   with pytest.raises(TypeError, match=r"bias_act: x, bias must share one dtype.*bfloat16"):
     bias_act(x, jnp.ones(5, jnp.bfloat16))
-  with pytest.raises(ValueError, match=r"act must be a callable or one of.*'swish'"):
+  with pytest.raises(ValueError, match=r"activation must be a callable or one of.*'swish'"):
     bias_act(x, jnp.ones(5), "swish")
   with pytest.raises(ValueError, match=r"bias_act: implementation must be None or one of"):
     bias_act(x, jnp.ones(5), implementation="cuda")

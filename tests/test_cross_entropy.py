@@ -11,8 +11,8 @@ import torch
 import jaxfuse
 from jaxfuse.metrics import bytes_moved, residual_bytes
 from jaxfuse.ops import linear_cross_entropy, linear_cross_entropy_reference
+from jaxfuse.testing.torch_ref import cross_entropy as ref
 from tests import helpers
-from tests.torch_ref import cross_entropy as ref
 
 IGNORE = -100
 

@@ -10,7 +10,7 @@ import jaxfuse
 from jaxfuse.metrics import bytes_moved, residual_bytes
 from jaxfuse.ops import activations, glu, glu_reference
 from tests import helpers
-from tests.torch_ref import mlp as ref
+from jaxfuse.testing.torch_ref import mlp as ref
 
 ACTS = ["silu", "gelu", "gelu_tanh", "relu"]
 SIZES = [64, 768, 1000, 4097, 8192]
@@ -175,7 +175,7 @@ def test_errors_name_the_argument():
     glu(a, "silu")
   with pytest.raises(TypeError, match=r"glu: x must have a floating dtype.*int32"):
     glu(jnp.ones((4, 6), jnp.int32))
-  with pytest.raises(ValueError, match=r"act must be a callable or one of.*'swish'"):
+  with pytest.raises(ValueError, match=r"activation must be a callable or one of.*'swish'"):
     glu(a, a, "swish")
   with pytest.raises(ValueError, match=r"glu: implementation must be None or one of"):
     glu(a, a, implementation="cuda")

@@ -9,8 +9,8 @@ from flax import nnx
 
 from jaxfuse import linen as jf_linen
 from jaxfuse import nnx as jf_nnx
+from jaxfuse.testing.torch_ref import cross_entropy as ref
 from tests import helpers
-from tests.torch_ref import cross_entropy as ref
 
 D, V = 16, 300
 

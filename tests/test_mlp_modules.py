@@ -12,8 +12,8 @@ from jaxfuse import linen as jlinen
 from jaxfuse import nnx as jnnx
 from jaxfuse.metrics import residual_bytes
 from jaxfuse.remat import mlp as blocks
+from jaxfuse.testing.torch_ref import mlp as ref
 from tests import helpers
-from tests.torch_ref import mlp as ref
 
 D, H = 64, 200  # H is not a multiple of any block
 GATED = ("gate_proj", "up_proj", "down_proj")

@@ -14,7 +14,7 @@ from jaxfuse import ops
 from jaxfuse.kernels.pallas import normalization as pallas_norm
 from jaxfuse.metrics import bytes_moved, residual_bytes, residuals
 from tests import helpers
-from tests.torch_ref import normalization as ref
+from jaxfuse.testing.torch_ref import normalization as ref
 
 
 @dataclasses.dataclass(frozen=True)
@@ -452,10 +452,14 @@ def test_none_takes_xla_for_rows_wider_than_the_preferred_kernels_take(monkeypat
   """Where ``None`` would pick a kernel set (a GPU) that cannot hold the row, it takes XLA,
   which takes any width; the kernel set asked for by name still refuses the row."""
   from jaxfuse.kernels.triton import normalization as triton_norm
-  from jaxfuse.ops import base, normalization
+  from jaxfuse.ops import base, dispatch, normalization
 
   limit = pallas_norm.MAX_HIDDEN if kernels == "pallas" else triton_norm.MAX_HIDDEN
-  monkeypatch.setattr(base.Op, "resolve", lambda self, impl: impl or kernels)
+  # As on a GPU where ``None`` prefers ``kernels``.
+  monkeypatch.setattr(dispatch, "platform", lambda: "gpu")
+  monkeypatch.setattr(dispatch, "can_run", lambda impl: impl in (kernels, "xla"))
+  monkeypatch.setattr(dispatch, "runs_natively", lambda impl: impl in (kernels, "xla"))
+  monkeypatch.setattr(base.Op, "preference", property(lambda self: {"gpu": (kernels, "xla")}))
   picked = []
   config = normalization._config
   monkeypatch.setattr(normalization, "_config",

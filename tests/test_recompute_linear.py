@@ -9,8 +9,8 @@ import torch
 from jaxfuse.metrics import bytes_moved, residual_bytes
 from jaxfuse.ops import recompute_linear
 from jaxfuse.ops.dispatch import ImplementationUnavailableError
+from jaxfuse.testing.torch_ref.seed import RecomputationLayer
 from tests import helpers
-from tests.torch_ref.seed import RecomputationLayer
 
 SHAPES = [((64, 32), 48), ((5, 37, 123), 77), ((1, 3), 1)]
 

@@ -13,10 +13,10 @@ import torch.nn.functional as F
 
 import jaxfuse
 from jaxfuse import ops
+from jaxfuse.testing.torch_ref import attention as attention_ref
+from jaxfuse.testing.torch_ref import elementwise as elementwise_ref
+from jaxfuse.testing.torch_ref import mlp as mlp_ref
 from tests import helpers
-from tests.torch_ref import attention as attention_ref
-from tests.torch_ref import elementwise as elementwise_ref
-from tests.torch_ref import mlp as mlp_ref
 
 
 def _normal(shape, seed, scale=1.0):

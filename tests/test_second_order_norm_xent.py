@@ -22,9 +22,9 @@ import pytest
 import torch
 
 from jaxfuse import ops
+from jaxfuse.testing.torch_ref import cross_entropy as xent_ref
+from jaxfuse.testing.torch_ref import normalization as norm_ref
 from tests import helpers
-from tests.torch_ref import cross_entropy as xent_ref
-from tests.torch_ref import normalization as norm_ref
 
 RTOL = 1e-5
 

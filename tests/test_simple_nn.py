@@ -10,8 +10,8 @@ from flax import nnx
 import jaxfuse
 from jaxfuse import interop
 from jaxfuse.metrics import residual_bytes, torch_residual_bytes
+from jaxfuse.testing.torch_ref import seed as torch_seed
 from tests import helpers
-from tests.torch_ref import seed as torch_seed
 
 VARIANTS = [None, "fc1", "block"]
 B, IN, HIDDEN, OUT = 37, 24, 130, 9  # nothing is a multiple of a block

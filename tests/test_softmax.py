@@ -10,8 +10,8 @@ import jaxfuse
 from jaxfuse.kernels.pallas import softmax as kernels
 from jaxfuse.metrics import bytes_moved, residual_bytes
 from jaxfuse.ops import softmax, softmax_reference
+from jaxfuse.testing.torch_ref import mlp as ref
 from tests import helpers
-from tests.torch_ref import mlp as ref
 
 SIZES = [64, 768, 1000, 4097, 8192]
 LOW = [jnp.bfloat16, jnp.float16]

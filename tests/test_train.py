@@ -46,7 +46,7 @@ def test_a_failed_save_leaves_the_last_good_checkpoint(tmp_path, monkeypatch):
     # The state item is written, then the metadata cannot be: the save fails half-way.
     real_save(manager, step, state, {**meta, "unserializable": {1, 2}})
 
-  monkeypatch.setattr(train, "save_checkpoint", failing_save)
+  monkeypatch.setattr(train.checkpoint, "save_checkpoint", failing_save)
   with pytest.raises(TypeError):
     _run(tmp_path, "run", "--resume")
   monkeypatch.undo()

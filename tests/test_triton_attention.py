@@ -23,8 +23,8 @@ import torch
 from jaxfuse.kernels.pallas.flash_attention import BlockSizes
 from jaxfuse.ops import attention, dispatch
 from jaxfuse.ops.flash_attention import tuning
+from jaxfuse.testing.torch_ref import attention as ref
 from tests import helpers
-from tests.torch_ref import attention as ref
 
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
@@ -229,8 +229,8 @@ def _torch_attention(q, k, v, bias=None, *, causal=None, window=None, softcap=No
 
 
 def _twin(masks, bias_given):
-  """The torch twin of these masks: torch's own attention (tests/torch_ref) where it has them,
-  the explicit one otherwise."""
+  """The torch twin of these masks: torch's own attention (jaxfuse/testing/torch_ref) where it
+  has them, the explicit one otherwise."""
   sdpa = (masks.get("window") is None and masks.get("softcap") is None
           and masks.get("causal") in (None, "top_left"))
   if sdpa:

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from jaxfuse.ops import dispatch, linear_cross_entropy
+from jaxfuse.testing.torch_ref import cross_entropy as ref
 from tests import helpers
-from tests.torch_ref import cross_entropy as ref
 
 triton = pytest.importorskip("triton")
 from jaxfuse.kernels.triton import cross_entropy as kernels  # noqa: E402

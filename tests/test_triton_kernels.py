@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from jaxfuse import ops
+from jaxfuse.testing import triton_interpreter as interp
+from jaxfuse.testing.torch_ref import elementwise as ref
+from jaxfuse.testing.torch_ref import normalization as norm_ref
 from tests import helpers
-from tests import triton_interpreter as interp
-from tests.torch_ref import elementwise as ref
-from tests.torch_ref import normalization as norm_ref
 
 triton = pytest.importorskip("triton")
 from jaxfuse.kernels.triton import elementwise as kernels  # noqa: E402

@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from jaxfuse.ops import recompute_linear
+from jaxfuse.testing import triton_interpreter as interp
+from jaxfuse.testing.torch_ref import seed as ref
 from tests import helpers
-from tests import triton_interpreter as interp
-from tests.torch_ref import seed as ref
 
 triton = pytest.importorskip("triton")
 from jaxfuse.kernels.triton import linear as kernels  # noqa: E402

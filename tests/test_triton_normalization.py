@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from jaxfuse import ops
+from jaxfuse.testing import triton_interpreter as interp
+from jaxfuse.testing.torch_ref import normalization as ref
 from tests import helpers
-from tests import triton_interpreter as interp
-from tests.torch_ref import normalization as ref
 
 triton = pytest.importorskip("triton")
 from jaxfuse.kernels.triton import normalization as kernels  # noqa: E402

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from jaxfuse.ops import softmax
+from jaxfuse.testing import triton_interpreter as interp
+from jaxfuse.testing.torch_ref import mlp as ref
 from tests import helpers
-from tests import triton_interpreter as interp
-from tests.torch_ref import mlp as ref
 
 triton = pytest.importorskip("triton")
 from jaxfuse.kernels.triton import softmax as kernels  # noqa: E402

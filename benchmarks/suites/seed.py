@@ -295,7 +295,7 @@ def _simple_nn_case(ctx, recompute, batch, sizes) -> list[Record]:
   from flax import nnx
 
   from jaxfuse.nnx import SimpleNN
-  from tests.torch_ref.seed import SimpleNN as TorchSimpleNN
+  from jaxfuse.testing.torch_ref.seed import SimpleNN as TorchSimpleNN
 
   n_in, n_hidden, n_out = sizes
   label = recompute or "none"

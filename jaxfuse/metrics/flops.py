@@ -25,6 +25,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.extend import core as jex_core
 
+from jaxfuse.metrics.jaxprs import open_jaxpr
+
 # Data movement, casts, names and sharding annotations: no arithmetic.
 _FREE = frozenset({
     "reshape", "broadcast_in_dim", "transpose", "squeeze", "expand_dims", "slice",
@@ -47,15 +49,10 @@ def _size(aval) -> int:
   return math.prod(getattr(aval, "shape", ()))
 
 
-def _unclosed(j):
-  """``(jaxpr, consts)`` of a Jaxpr or ClosedJaxpr."""
-  return (j.jaxpr, j.consts) if hasattr(j, "consts") else (j, ())
-
-
 def _sub_jaxpr(eqn):
   for key in _SUBJAXPR_PARAMS:
     if key in eqn.params and eqn.params[key] is not None:
-      return _unclosed(eqn.params[key])
+      return open_jaxpr(eqn.params[key])
   return None
 
 

@@ -5,7 +5,7 @@ does not fit the devices or the batch is refused by name."""
 import numpy as np
 import pytest
 
-from jaxfuse import train
+from jaxfuse import parallel, train
 from tests import helpers
 
 TINY = ["--steps", "4", "--batch", "8", "--seq", "16", "--d-model", "16", "--layers", "2",
@@ -28,7 +28,7 @@ def single(tmp_path_factory):
 def test_training_on_a_mesh_gives_the_single_device_losses(tmp_path, single, mesh):
   result = _run(tmp_path / "run", "--mesh", mesh)
   assert result["mesh"] == {"data": 1, "fsdp": 1, "context": 1, "tensor": 1,
-                            **train.parallel.parse_mesh(mesh)}
+                            **parallel.parse_mesh(mesh)}
   history = result["history"]
   assert history["step"] == single["step"]
   helpers.assert_close(np.asarray(history["loss"]), np.asarray(single["loss"]), rtol=1e-5,

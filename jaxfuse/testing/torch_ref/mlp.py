@@ -3,7 +3,7 @@
 import torch.nn.functional as F
 from torch import nn
 
-from tests.torch_ref.elementwise import ACTIVATIONS
+from jaxfuse.testing.torch_ref.elementwise import ACTIVATIONS
 
 
 def softmax(x, axis=-1, scale=1.0, mask=None):

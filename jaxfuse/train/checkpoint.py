@@ -1,0 +1,75 @@
+"""Orbax checkpoints of a run: the training state and a JSON ``meta`` (history and config).
+
+Each save is written to a temporary directory and renamed when complete, so a failed save never
+replaces the last good checkpoint; the two latest are kept. :func:`resume` picks where a run
+starts: the latest checkpoint with ``--resume``, else step 0 in a directory without checkpoints.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+
+
+class CheckpointError(RuntimeError):
+  """A checkpoint cannot be read back (corrupt, or from another model)."""
+
+
+def checkpoint_manager(directory: Path):
+  """An orbax ``CheckpointManager`` of the items ``state`` and ``meta`` in ``directory``."""
+  import orbax.checkpoint as ocp
+
+  options = ocp.CheckpointManagerOptions(max_to_keep=2, create=True)
+  return ocp.CheckpointManager(directory.absolute(), options=options,
+                               item_names=("state", "meta"))
+
+
+def save_checkpoint(manager, step: int, state, meta: dict) -> None:
+  """Writes ``state`` and ``meta`` for ``step``; orbax writes to a temporary directory and
+  renames it when complete, so an interrupted save leaves the last good checkpoint as it was."""
+  import orbax.checkpoint as ocp
+
+  manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                             meta=ocp.args.JsonSave(meta)))
+  manager.wait_until_finished()
+
+
+def restore_checkpoint(manager, abstract_state):
+  """``(step, state, meta)`` of the latest complete checkpoint, or None if there is none."""
+  import orbax.checkpoint as ocp
+
+  step = manager.latest_step()
+  if step is None:
+    return None
+  try:
+    restored = manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
+  except Exception as e:  # noqa: BLE001 - orbax raises many kinds; all mean "unreadable"
+    raise CheckpointError(f"the checkpoint of step {step} in {manager.directory} cannot be "
+                          f"read ({type(e).__name__}: {e}); remove it or start without "
+                          f"--resume in another --out directory") from e
+  return step, restored["state"], restored["meta"]
+
+
+def resume(manager, directory: Path, state, *, resume: bool, log=print):
+  """``(step, state, meta)`` a run starts from: with ``resume``, the latest checkpoint in
+  ``manager`` (restored with ``state``'s shapes, dtypes and shardings), or ``(0, state, None)``
+  when there is none yet; without, ``(0, state, None)``.
+
+  Raises:
+    FileExistsError: without ``resume``, ``directory`` holds checkpoints (of another run).
+    CheckpointError: the latest checkpoint cannot be read.
+  """
+  if not resume:
+    if manager.latest_step() is not None:
+      raise FileExistsError(f"{directory} holds checkpoints of another run: pass "
+                            f"--resume to continue it, or another --out")
+    return 0, state, None
+  restored = restore_checkpoint(manager, jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state))
+  if restored is None:
+    log(f"--resume: no checkpoint in {directory}; starting at step 0")
+    return 0, state, None
+  log(f"resumed at step {restored[0]}")
+  return restored
