@@ -21,7 +21,6 @@ import re
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import jaxfuse
@@ -29,7 +28,7 @@ from jaxfuse import ops
 from jaxfuse.kernels.pallas import normalization as pallas_norm
 from jaxfuse.ops import base
 from jaxfuse.testing import triton_interpreter as interp
-from tests import helpers
+from tests import cases, helpers
 
 pytest.importorskip("triton")
 
@@ -85,66 +84,19 @@ def test_the_triton_kernels_take_pallas_place_where_pallas_triton_is_deprecated(
 # Representative calls ---------------------------------------------------------------------------
 
 
-def _normal(seed, shape, dtype=jnp.float32):
-  return helpers.normal(seed, shape, dtype)
-
-
-def _labels(n, v):
-  return jnp.asarray(np.random.default_rng(9).integers(0, v, (n,)), jnp.int32)
-
-
-# op name -> [(label, impl -> (f, args))]: f of the differentiable args returns arrays.
-CALLS = {
-    "add_act": [("gelu", lambda impl: (
-        lambda a, b: ops.add_act(a, b, "gelu", implementation=impl),
-        (_normal(0, (5, 7)), _normal(1, (5, 7)))))],
-    "add_act_unfused": [("silu", lambda impl: (
-        lambda a, b: ops.add_act_unfused(a, b, "silu", implementation=impl),
-        (_normal(0, (5, 7)), _normal(1, (5, 7)))))],
-    "relu": [("", lambda impl: (
-        lambda x: ops.relu(x, implementation=impl), (_normal(0, (5, 7)),)))],
-    "bias_act": [("gelu", lambda impl: (
-        lambda x, b: ops.bias_act(x, b, "gelu", implementation=impl),
-        (_normal(0, (5, 7)), _normal(1, (7,)))))],
-    "glu": [("separate", lambda impl: (
-        lambda a, b: ops.glu(a, b, "silu", implementation=impl),
-        (_normal(0, (5, 7)), _normal(1, (5, 7))))),
-            ("packed", lambda impl: (
-                lambda x: ops.glu(x, "silu", implementation=impl), (_normal(0, (5, 14)),)))],
-    "softmax": [("", lambda impl: (
-        lambda x: ops.softmax(x, implementation=impl), (_normal(0, (5, 7)),)))],
-    "layer_norm": [("", lambda impl: (
-        lambda x, s, b: ops.layer_norm(x, s, b, implementation=impl),
-        (_normal(0, (5, 7)), _normal(1, (7,)), _normal(2, (7,)))))],
-    "rms_norm": [("", lambda impl: (
-        lambda x, s: ops.rms_norm(x, s, implementation=impl),
-        (_normal(0, (5, 7)), _normal(1, (7,)))))],
-    "add_layer_norm": [("", lambda impl: (
-        lambda x, r, s, b: ops.add_layer_norm(x, r, s, b, implementation=impl),
-        (_normal(0, (5, 7)), _normal(3, (5, 7)), _normal(1, (7,)), _normal(2, (7,)))))],
-    "add_rms_norm": [("", lambda impl: (
-        lambda x, r, s: ops.add_rms_norm(x, r, s, implementation=impl),
-        (_normal(0, (5, 7)), _normal(3, (5, 7)), _normal(1, (7,)))))],
-    "add_rms_norm_unfused": [("", lambda impl: (
-        lambda x, r, s: ops.add_rms_norm_unfused(x, r, s, implementation=impl),
-        (_normal(0, (5, 7)), _normal(3, (5, 7)), _normal(1, (7,)))))],
-    "recompute_linear": [("", lambda impl: (
-        lambda x, w, b: ops.recompute_linear(x, w, b, implementation=impl),
-        (_normal(0, (5, 7)), _normal(1, (3, 7)), _normal(2, (3,)))))],
-    "linear_cross_entropy": [("", lambda impl: (
-        lambda h, w: ops.linear_cross_entropy(h, w, _labels(6, 50), implementation=impl),
-        (_normal(0, (6, 8)), _normal(1, (50, 8)))))],
-    "attention": [("causal", lambda impl: (
-        lambda q, k, v: ops.attention(q, k, v, causal=True, implementation=impl),
-        (_normal(0, (1, 9, 2, 16)), _normal(1, (1, 9, 1, 16)), _normal(2, (1, 9, 1, 16)))))],
-}
+# Each op's first case of the table (tests/cases) that runs on the kernels: (f, args) of impl.
+FIRST = {}
+for _case in cases.CASES:
+  if _case.runs_on("pallas") and _case.op not in FIRST:
+    FIRST[_case.op] = _case
 WITH_KERNELS = sorted(name for name, op in DECLARED.items()
                       if set(KERNELS) & set(op.implementations))
-CASES = [(name, label, make) for name in WITH_KERNELS for label, make in CALLS.get(name, [])]
+CASES = [(name, FIRST[name].label, lambda impl, c=FIRST.get(name): c.bind(c.inputs(), impl))
+         for name in WITH_KERNELS if name in FIRST]
 
 
 def test_every_op_with_a_kernel_has_a_representative_call():
-  assert sorted(CALLS) == WITH_KERNELS
+  assert sorted(FIRST) == WITH_KERNELS
 
 
 @contextlib.contextmanager
@@ -213,101 +165,7 @@ def _count(closed, primitive: str) -> int:
 
 X = jnp.ones((4, 8))
 S = jnp.ones(8)
-Q = jnp.ones((2, 8, 4, 16))
-KV = jnp.ones((2, 8, 2, 16))
 H, W, Y = jnp.ones((4, 8)), jnp.ones((10, 8)), jnp.array([0, 1, 2, 3])
-Y_OUTSIDE = jnp.array([0, 1, 10, 3])  # concrete: labels are checked only where they are
-F32, BF16, I32 = jnp.float32, jnp.bfloat16, jnp.int32
-
-# (label, call(impl)): each raises with every implementation, before any kernel runs.
-BAD_CALLS = [
-    ("add_act shapes", lambda i: ops.add_act(X, jnp.ones((4, 1)), implementation=i)),
-    ("add_act int", lambda i: ops.add_act(X.astype(I32), X.astype(I32), implementation=i)),
-    ("add_act dtypes", lambda i: ops.add_act(X, X.astype(BF16), implementation=i)),
-    ("add_act name", lambda i: ops.add_act(X, X, "geluu", implementation=i)),
-    ("add_act_unfused shapes", lambda i: ops.add_act_unfused(X, X[:1, :3], implementation=i)),
-    ("add_act_unfused name", lambda i: ops.add_act_unfused(X, X, "swish", implementation=i)),
-    ("relu int", lambda i: ops.relu(X.astype(I32), implementation=i)),
-    ("bias_act size", lambda i: ops.bias_act(X, jnp.ones(7), implementation=i)),
-    ("bias_act rank", lambda i: ops.bias_act(X, jnp.ones((1, 8)), implementation=i)),
-    ("bias_act dtypes", lambda i: ops.bias_act(X, S.astype(BF16), implementation=i)),
-    ("bias_act name", lambda i: ops.bias_act(X, S, "swish", implementation=i)),
-    ("glu shapes", lambda i: ops.glu(X, jnp.ones((4, 1)), implementation=i)),
-    ("glu dtypes", lambda i: ops.glu(X, X.astype(jnp.float16), implementation=i)),
-    ("glu odd packed", lambda i: ops.glu(jnp.ones((4, 5)), "silu", implementation=i)),
-    ("glu int", lambda i: ops.glu(X.astype(I32), implementation=i)),
-    ("glu name", lambda i: ops.glu(X, X, "swish", implementation=i)),
-    ("softmax int", lambda i: ops.softmax(X.astype(I32), implementation=i)),
-    ("softmax axis", lambda i: ops.softmax(X, axis=2, implementation=i)),
-    ("softmax axis type", lambda i: ops.softmax(X, axis=1.0, implementation=i)),
-    ("softmax scale", lambda i: ops.softmax(X, scale=jnp.ones(()), implementation=i)),
-    ("softmax mask dtype", lambda i: ops.softmax(X, mask=X, implementation=i)),
-    ("softmax mask shape", lambda i: ops.softmax(X, mask=jnp.ones((3, 8), bool),
-                                                 implementation=i)),
-    ("rms_norm int", lambda i: ops.rms_norm(X.astype(I32), S, implementation=i)),
-    ("layer_norm rank 0", lambda i: ops.layer_norm(jnp.float32(1.0), implementation=i)),
-    ("rms_norm scale size", lambda i: ops.rms_norm(X, jnp.ones(7), implementation=i)),
-    ("layer_norm bias rank", lambda i: ops.layer_norm(X, S, jnp.ones((1, 8)),
-                                                      implementation=i)),
-    ("layer_norm scale int", lambda i: ops.layer_norm(X, S.astype(I32), implementation=i)),
-    ("add_rms_norm shapes", lambda i: ops.add_rms_norm(X, X[:1], S, implementation=i)),
-    ("add_layer_norm dtypes", lambda i: ops.add_layer_norm(X, X.astype(BF16), S,
-                                                           implementation=i)),
-    ("rms_norm eps", lambda i: ops.rms_norm(X, S, eps=-1, implementation=i)),
-    ("add_rms_norm_unfused shapes", lambda i: ops.add_rms_norm_unfused(X, X[:1], S,
-                                                                       implementation=i)),
-    ("recompute_linear x size", lambda i: ops.recompute_linear(
-        jnp.ones((4, 6)), jnp.ones((3, 5)), jnp.ones(3), implementation=i)),
-    ("recompute_linear bias size", lambda i: ops.recompute_linear(
-        jnp.ones((4, 5)), jnp.ones((3, 5)), jnp.ones(4), implementation=i)),
-    ("recompute_linear weight rank", lambda i: ops.recompute_linear(
-        jnp.ones((4, 5)), jnp.ones((3, 5, 1)), jnp.ones(3), implementation=i)),
-    ("recompute_linear dtypes", lambda i: ops.recompute_linear(
-        jnp.ones((4, 5)), jnp.ones((3, 5), BF16), jnp.ones(3), implementation=i)),
-    ("xent weight size", lambda i: ops.linear_cross_entropy(H, W[:, :7], Y, implementation=i)),
-    ("xent weight rank", lambda i: ops.linear_cross_entropy(H, W[None], Y, implementation=i)),
-    ("xent labels shape", lambda i: ops.linear_cross_entropy(H, W, Y[:, None],
-                                                             implementation=i)),
-    ("xent labels dtype", lambda i: ops.linear_cross_entropy(H, W, Y.astype(F32),
-                                                             implementation=i)),
-    ("xent dtypes", lambda i: ops.linear_cross_entropy(H, W.astype(BF16), Y, implementation=i)),
-    ("xent bias", lambda i: ops.linear_cross_entropy(H, W, Y, bias=jnp.ones(9),
-                                                     implementation=i)),
-    ("xent labels range", lambda i: ops.linear_cross_entropy(H, W, Y_OUTSIDE,
-                                                             implementation=i)),
-    ("xent empty vocabulary", lambda i: ops.linear_cross_entropy(H, W[:0], Y,
-                                                                 implementation=i)),
-    ("xent reduction", lambda i: ops.linear_cross_entropy(H, W, Y, reduction="avg",
-                                                          implementation=i)),
-    ("xent smoothing", lambda i: ops.linear_cross_entropy(H, W, Y, label_smoothing=1.5,
-                                                          implementation=i)),
-    ("xent z_loss", lambda i: ops.linear_cross_entropy(H, W, Y, z_loss=-1.0, implementation=i)),
-    ("xent softcap", lambda i: ops.linear_cross_entropy(H, W, Y, logit_softcap=0.0,
-                                                        implementation=i)),
-    ("xent chunk", lambda i: ops.linear_cross_entropy(H, W, Y, chunk_size=0, implementation=i)),
-    ("attention rank", lambda i: ops.attention(Q[0], KV, KV, implementation=i)),
-    ("attention int", lambda i: ops.attention(Q, KV.astype(I32), KV, implementation=i)),
-    ("attention dtypes", lambda i: ops.attention(Q, KV.astype(BF16), KV.astype(BF16),
-                                                 implementation=i)),
-    ("attention k v shapes", lambda i: ops.attention(Q, KV, KV[:, :4], implementation=i)),
-    ("attention kv heads", lambda i: ops.attention(Q, jnp.ones((2, 8, 3, 16)),
-                                                   jnp.ones((2, 8, 3, 16)), implementation=i)),
-    ("attention head dim", lambda i: ops.attention(Q, jnp.ones((2, 8, 2, 8)),
-                                                   jnp.ones((2, 8, 2, 8)), implementation=i)),
-    ("attention batch", lambda i: ops.attention(Q, KV[:1], KV[:1], implementation=i)),
-    ("attention segments", lambda i: ops.attention(
-        Q, KV, KV, segment_ids=jnp.zeros((2, 7), I32), implementation=i)),
-    ("attention kv_lengths", lambda i: ops.attention(
-        Q, KV, KV, kv_lengths=jnp.array([1.0, 2.0]), implementation=i)),
-    ("attention bias", lambda i: ops.attention(Q, KV, KV, bias=jnp.zeros((2, 3, 8, 8)),
-                                               implementation=i)),
-    ("attention scale", lambda i: ops.attention(Q, KV, KV, scale="big", implementation=i)),
-    ("attention causal", lambda i: ops.attention(Q, KV, KV, causal="left", implementation=i)),
-    ("attention window", lambda i: ops.attention(Q, KV, KV, sliding_window=3,
-                                                 implementation=i)),
-    ("attention softcap", lambda i: ops.attention(Q, KV, KV, logit_softcap=0.0,
-                                                  implementation=i)),
-]
 
 
 def _error(call, impl, monkeypatch) -> tuple[type, str]:
@@ -319,12 +177,17 @@ def _error(call, impl, monkeypatch) -> tuple[type, str]:
   return type(None), f"implementation={impl!r} raised nothing"
 
 
-@pytest.mark.parametrize("label,call", BAD_CALLS, ids=[label for label, _ in BAD_CALLS])
-def test_bad_arguments_raise_the_same_error_on_every_implementation(label, call, monkeypatch):
-  errors = {impl: _error(call, impl, monkeypatch) for impl in (*KERNELS, "xla")}
-  assert errors["xla"][0] is not type(None), f"{label}: the call raised nothing"
-  assert errors["pallas"] == errors["xla"], label
-  assert errors["triton"] == errors["xla"], label
+@pytest.mark.parametrize("bad", cases.BAD, ids=[b.id for b in cases.BAD])
+def test_bad_arguments_raise_the_same_error_on_every_implementation(bad, monkeypatch):
+  """Each bad argument of the op tables raises its error, the same type and message, with
+  every implementation the op has (and before any kernel runs)."""
+  implementations = base.REGISTRY[bad.op].implementations
+  errors = {impl: _error(bad.call, impl, monkeypatch) for impl in implementations}
+  kind, message = errors["xla"]
+  assert kind is bad.error, f"{bad.id}: {kind.__name__}: {message}"
+  assert re.search(bad.match, message), f"{bad.id}: {message!r} does not match {bad.match!r}"
+  for impl in implementations:
+    assert errors[impl] == errors["xla"], (bad.id, impl)
 
 
 def _same_but_the_name(errors) -> set[tuple[type, str]]:

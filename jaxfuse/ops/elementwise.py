@@ -77,8 +77,8 @@ def add_act(a: jax.Array, b: jax.Array, activation: str | Callable = "relu", *,
     fn: the former name of ``activation`` (deprecated).
 
   Returns:
-    ``activation(a + b)`` in the dtype of ``a``. Low-precision inputs are added and activated in float32
-    and rounded once.
+    ``activation(a + b)`` in the dtype of ``a``. Low-precision inputs are added and activated
+    in float32 and rounded once.
 
   Example:
     >>> import jax.numpy as jnp

@@ -83,9 +83,9 @@ def glu(a: jax.Array, b: jax.Array | str | Callable | None = None,
 
   - ``glu(a, b, activation)``: ``a`` (the gate) and ``b`` (the value) are arrays of one shape;
   - ``glu(x, activation)`` or ``glu(x, activation=...)``: packed, ``x = [a | b]`` on the last
-    axis, which is split in half: ``activation(x[..., :h]) * x[..., h:]``. Note that ``torch.nn.functional.glu`` gates
-    the other way round (``x[..., :h] * sigmoid(x[..., h:])``); here the gate comes first, as in
-    fused ``[gate | up]`` projections.
+    axis, which is split in half: ``activation(x[..., :h]) * x[..., h:]``. Note that
+    ``torch.nn.functional.glu`` gates the other way round (``x[..., :h] * sigmoid(x[..., h:])``);
+    here the gate comes first, as in fused ``[gate | up]`` projections.
 
   Args:
     a: the gate, a float array (float32, bfloat16 or float16); or packed ``x``.

@@ -13,8 +13,9 @@ the normalized output. The backward kernel recomputes the normalized rows from t
 and arithmetic are float32 for every input dtype; outputs are rounded once.
 
 Implementations: ``"pallas"`` (GPU kernels; interpret mode on CPU for tests), ``"triton"``
-(``@triton.jit`` kernels through jax-triton) and ``"xla"``, a ``custom_vjp`` with hand-written backward formulas, arranged so that XLA:CPU fuses
-each reduction with its elementwise inputs and keeps no full-size temporaries.
+(``@triton.jit`` kernels through jax-triton) and ``"xla"``, a ``custom_vjp`` with hand-written
+backward formulas, arranged so that XLA:CPU fuses each reduction with its elementwise inputs and
+keeps no full-size temporaries.
 
 Derivatives: reverse mode to any order, on every implementation: ``jax.grad`` of a function of
 ``jax.grad`` and Hessian-vector products by forward over reverse

@@ -11,9 +11,9 @@ longer rows chunk by chunk: once for the statistics (combined across chunks with
 which stays accurate for rows with a large mean) and once more to normalize. The backward kernel
 gives each column chunk programs of its own (grid ``(programs, chunks)``), so that a program
 keeps the gradient partials of one chunk in registers, not of the whole row; the two row sums
-its input gradient needs come from one XLA reduction over the rows before it. Rows past the end and columns
-past ``H`` are masked on every load and store, since Pallas' Triton lowering does not bound
-block accesses. Everything is computed in float32; outputs are rounded once.
+its input gradient needs come from one XLA reduction over the rows before it. Rows past the end
+and columns past ``H`` are masked on every load and store, since Pallas' Triton lowering does
+not bound block accesses. Everything is computed in float32; outputs are rounded once.
 
 Statistics (per-row mean and reciprocal standard deviation) are float32 arrays of shape
 ``(rows, 1)``.

@@ -1,4 +1,5 @@
-"""Every op of jaxfuse.ops on a 2x4 mesh of simulated devices: under ``jit`` with inputs placed
+"""Every op of jaxfuse.ops on a 2x4 mesh of simulated devices (each case of the op tables,
+``tests/cases``, that has a ``Mesh``): under ``jit`` with inputs placed
 by ``NamedSharding`` on Auto and on Explicit mesh axes, and inside ``jax.shard_map`` with
 ``check_vma=True``. Each gives the single-device loss and gradients, and the compiled program
 never all-gathers a whole activation."""
@@ -18,14 +19,12 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxfuse
-from jaxfuse import ops
 from jaxfuse.metrics.collectives import collectives
 from jaxfuse.ops import partitioning
-from tests import helpers
+from tests import cases, helpers
 
-B, T, D, H, KV, HD, V = 4, 8, 32, 8, 4, 16, 64
-ROWS = P("data", "model", None)          # [batch, seq, features]: batch and sequence split
-HEADS = P("data", None, "model", None)   # [batch, seq, heads, head_dim]: batch and heads split
+# The sizes of the table's mesh shapes (tests/cases), which the checks below count with.
+B, T, D, V = 4, 8, 32, 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,81 +45,22 @@ class Case:
   local: bool = True
 
 
-def _attention(q, k, v, implementation):
-  return ops.attention(q, k, v, causal=True, implementation=implementation)
-
-
 def _sum_outputs(out):
   """A scalar of every output, not symmetric in their elements (a scalar output as it is)."""
   return sum(o if o.ndim == 0 else jnp.sum(jnp.sin(o.astype(jnp.float32)))
              for o in jax.tree.leaves(out))
 
 
-CASES = [
-    Case("add_act", lambda a, b, implementation: ops.add_act(a, b, "gelu",
-                                                             implementation=implementation),
-         ((B, T, D), (B, T, D)), (ROWS, ROWS), (0, 1), (0, 1), implementations=("xla", "pallas")),
-    Case("add_act_unfused", lambda a, b, implementation: ops.add_act_unfused(
-        a, b, "silu", implementation=implementation), ((B, T, D), (B, T, D)), (ROWS, ROWS),
-         (0, 1), (0, 1)),
-    Case("relu", lambda x, implementation: ops.relu(x, implementation=implementation),
-         ((B, T, D),), (ROWS,), (0,)),
-    Case("bias_act", lambda x, b, implementation: ops.bias_act(x, b, "gelu",
-                                                               implementation=implementation),
-         ((B, T, D), (D,)), (ROWS, P()), (0, 1), implementations=("xla", "pallas")),
-    Case("glu", lambda a, b, implementation: ops.glu(a, b, "silu", implementation=implementation),
-         ((B, T, D), (B, T, D)), (ROWS, ROWS), (0, 1), (0, 1),
-         implementations=("xla", "pallas")),
-    Case("softmax", lambda x, implementation: ops.softmax(x, implementation=implementation),
-         ((B, T, D),), (ROWS,), (0,), implementations=("xla", "pallas")),
-    Case("layer_norm", lambda x, s, b, implementation: ops.layer_norm(
-        x, s, b, implementation=implementation), ((B, T, D), (D,), (D,)), (ROWS, P(), P()),
-         (0, 1, 2), implementations=("xla", "pallas")),
-    Case("rms_norm", lambda x, s, implementation: ops.rms_norm(x, s,
-                                                               implementation=implementation),
-         ((B, T, D), (D,)), (ROWS, P()), (0, 1), implementations=("xla", "pallas")),
-    Case("add_layer_norm", lambda x, r, s, b, implementation: ops.add_layer_norm(
-        x, r, s, b, implementation=implementation), ((B, T, D), (B, T, D), (D,), (D,)),
-         (ROWS, ROWS, P(), P()), (0, 1, 2, 3), (0, 1)),
-    Case("add_rms_norm", lambda x, r, s, implementation: ops.add_rms_norm(
-        x, r, s, implementation=implementation), ((B, T, D), (B, T, D), (D,)),
-         (ROWS, ROWS, P()), (0, 1, 2), (0, 1), implementations=("xla", "pallas")),
-    Case("add_rms_norm_unfused", lambda x, r, s, implementation: ops.add_rms_norm_unfused(
-        x, r, s, implementation=implementation), ((B, T, D), (B, T, D), (D,)),
-         (ROWS, ROWS, P()), (0, 1, 2), (0, 1)),
-    Case("recompute_linear", lambda x, w, b, implementation: ops.recompute_linear(
-        x, w, b, implementation=implementation), ((B, T, D), (48, D), (48,)),
-         (ROWS, P(), P()), (0, 1, 2), implementations=("xla", "pallas")),
-    Case("recompute_linear column-parallel", lambda x, w, implementation: ops.recompute_linear(
-        x, w, implementation=implementation), ((B, T, D), (48, D)),
-         (P("data", None, None), P("model", None)), (0, 1), implementations=("xla", "pallas")),
-    Case("dense", lambda x, k, b, implementation: ops.dense(x, k, b), ((B, T, D), (D, 48), (48,)),
-         (ROWS, P(), P()), (0, 1, 2)),
-    Case("dense row-parallel", lambda x, k, implementation: ops.dense(x, k),
-         ((B, T, D), (D, 48)), (P("data", None, "model"), P("model", None)), (0, 1), local=False),
-    Case("rotary_embedding", lambda x, pos, implementation: ops.rotary_embedding(x, pos),
-         ((B, T, H, HD), (T,)), (HEADS, P()), (0,), ints=((1, T),)),
-    Case("attention", _attention, ((B, T, H, HD), (B, T, KV, HD), (B, T, KV, HD)),
-         (HEADS, HEADS, HEADS), (0, 1, 2), (0, 1, 2), implementations=("xla", "pallas")),
-    Case("dot_product_attention", lambda q, k, v, implementation: ops.dot_product_attention(
-        q, k, v, is_causal=True, implementation=implementation),
-         ((B, T, H, HD), (B, T, H, HD), (B, T, H, HD)), (HEADS, HEADS, HEADS), (0, 1, 2),
-         (0, 1, 2)),
-    Case("linear_cross_entropy vocab-parallel", lambda h, w, y, implementation:
-         ops.linear_cross_entropy(h, w, y, reduction="sum", implementation=implementation),
-         ((B, T, D), (V, D), (B, T)), (P("data", None, None), P("model", None), P("data", None)),
-         (0, 1), ints=((2, V),), implementations=("xla", "pallas"), local=False),
-    Case("linear_cross_entropy grad_in_forward", lambda h, w, y, implementation:
-         ops.linear_cross_entropy(h, w, y, reduction="sum", grad_in_forward=True,
-                                  implementation=implementation),
-         ((B * T, D), (V, D), (B * T,)), (P("data", None), P(), P("data")), (0, 1),
-         ints=((2, V),)),
-    Case("linear_cross_entropy grad_in_forward vocab-parallel", lambda h, w, y, implementation:
-         ops.linear_cross_entropy(h, w, y, reduction="sum", grad_in_forward=True,
-                                  label_smoothing=0.1, implementation=implementation),
-         ((B, T, D), (V, D), (B, T)), (P("data", None, None), P("model", None), P("data", None)),
-         (0, 1), ints=((2, V),), local=False),
-]
+def _from_table(c: cases.Case) -> Case:
+  """A case of the op tables (tests/cases) with a device mesh."""
+  mesh = c.mesh
+  return Case(c.id, c.call, mesh.shapes, tuple(P(*spec) for spec in mesh.specs), c.diff_args,
+              mesh.activations, tuple((i, h(mesh.shapes) if callable(h) else h)
+                                      for i, h in c.ints),
+              tuple(i for i in mesh.implementations if c.runs_on(i)), mesh.local)
+
+
+CASES = [_from_table(c) for c in cases.CASES if c.mesh is not None]
 PARAMS = [pytest.param(c, impl, id=f"{c.name}-{impl}") for c in CASES
           for impl in c.implementations]
 
@@ -244,8 +184,8 @@ def test_collectives_of_a_sharded_norm_are_its_scale_gradient_only():
   assert ("all-reduce", (D,)) in kinds and all(k == "all-reduce" for k, _ in kinds), kinds
 
 
-@pytest.mark.parametrize("name", ["linear_cross_entropy vocab-parallel",
-                                  "linear_cross_entropy grad_in_forward vocab-parallel"])
+@pytest.mark.parametrize("name", ["linear_cross_entropy-vocab-parallel",
+                                  "linear_cross_entropy-grad_in_forward vocab-parallel"])
 def test_vocab_parallel_cross_entropy_never_gathers_logits_or_the_weight(name):
   """The weight split over the vocabulary: the collectives are over ``[tokens]`` vectors (and
   scalars), never over ``[tokens, V]`` logits or the ``[V, D]`` weight."""

@@ -2,7 +2,8 @@
 
 :func:`block_sizes_for` gives the sizes a call uses: a cached autotuned choice (in memory, or
 in the JSON file named by ``$JAXFUSE_ATTENTION_TUNING``), else the heuristic table's entry for
-the head dim, dtype and bias presence. :func:`autotune` times candidates on the GPU and caches the fastest.
+the head dim, dtype and bias presence. :func:`autotune` times candidates on the GPU and caches
+the fastest.
 """
 
 from __future__ import annotations

@@ -1,0 +1,100 @@
+"""Every case of the op tables (``tests/cases``) against its PyTorch twin: the outputs and the
+gradient of every differentiated argument (inputs and parameters).
+
+- float32 at the case's weird shape, for every implementation that runs here (XLA, and Pallas
+  in interpret mode), by the suite's float32 rule;
+- bfloat16 and float16 at the weird shape: the error against the twin in float64 at most twice
+  the twin's own error in the same dtype (FlashAttention's and Cut Cross-Entropy's rule);
+- float32 at the realistic shape of each op's first case, on XLA.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from tests import cases, helpers
+
+FIRST = {c.op: c for c in reversed(cases.CASES)}
+
+
+def _implementations(case: cases.Case) -> list[str]:
+  return [i for i in helpers.CPU_IMPLEMENTATIONS if case.runs_on(i)]
+
+
+def _params(dtypes=("float32",)):
+  return [pytest.param(c, impl, dtype, id=f"{c.id}-{impl}-{dtype}")
+          for c in cases.CASES for impl in _implementations(c) for dtype in dtypes
+          if dtype in c.dtypes]
+
+
+def jax_values_and_grads(case: cases.Case, args, implementation: str):
+  """``(outputs, grads)``: the op's outputs and the gradients of its differentiated arguments
+  pulled back from :func:`cases.cotangents` of the outputs, in one jitted program."""
+  f, diff = case.bind(args, implementation)
+
+  def run(diff):
+    out, vjp = jax.vjp(f, *diff)
+    return cases.outputs(out), vjp(cases.cotangents(out) if isinstance(out, tuple)
+                                   else cases.cotangents(out)[0])
+
+  return jax.jit(run, compiler_options=helpers.FAST_COMPILE)(diff)
+
+
+def torch_values_and_grads(case: cases.Case, args, cts, dtype=None):
+  """The twin's outputs and gradients, on the same values (in ``dtype`` if given)."""
+  ints = dict(case.ints)
+  targs = [torch.from_numpy(np.array(a)).long() if i in ints
+           else helpers.to_torch(a, dtype, requires_grad=i in case.diff_args)
+           for i, a in enumerate(args)]
+  outs = cases.outputs(case.twin(*targs))
+  loss = sum((o * helpers.to_torch(g, o.dtype)).sum() for o, g in zip(outs, cts)
+             if o.dtype.is_floating_point)
+  loss.backward()
+  grads = [targs[i].grad if targs[i].grad is not None else torch.zeros_like(targs[i])
+           for i in case.diff_args]
+  return outs, grads
+
+
+@pytest.mark.parametrize("case,impl,dtype", _params())
+def test_float32_matches_the_torch_twin(case, impl, dtype, pallas_mode):
+  del dtype
+  args = case.inputs()
+  outs, grads = jax_values_and_grads(case, args, impl)
+  cts = cases.cotangents(outs if len(outs) > 1 else outs[0])
+  t_outs, t_grads = torch_values_and_grads(case, args, cts)
+  assert len(outs) == len(t_outs)
+  for i, (got, want) in enumerate(zip(outs, t_outs)):
+    helpers.assert_close(got, want, what=f"{case.id} {impl} output {i}")
+  for i, got, want in zip(case.diff_args, grads, t_grads):
+    helpers.assert_close(got, want, what=f"{case.id} {impl} grad of arg {i}")
+
+
+@pytest.mark.parametrize("case,impl,dtype", _params(("bfloat16", "float16")))
+def test_low_precision_within_twice_the_twins_error(case, impl, dtype, pallas_mode):
+  args = case.inputs(dtype=jnp.dtype(dtype))
+  outs, grads = jax_values_and_grads(case, args, impl)
+  cts = cases.cotangents(outs if len(outs) > 1 else outs[0])
+  exact = torch_values_and_grads(case, args, cts, torch.float64)
+  low = torch_values_and_grads(case, args, cts)
+  got = list(outs) + list(grads)
+  for i, (x, e, t) in enumerate(zip(got, exact[0] + tuple(exact[1]),
+                                    low[0] + tuple(low[1]))):
+    if jnp.issubdtype(x.dtype, jnp.floating):
+      helpers.assert_within_low_precision_error(x, e, t, k=case.low_precision_k,
+                                                what=f"{case.id} {impl} {dtype} {i}")
+
+
+@pytest.mark.parametrize("case", list(FIRST.values()), ids=list(FIRST))
+def test_realistic_shape_matches_the_torch_twin_on_xla(case):
+  args = case.inputs(case.shapes)
+  outs, grads = jax_values_and_grads(case, args, "xla")
+  cts = cases.cotangents(outs if len(outs) > 1 else outs[0])
+  t_outs, t_grads = torch_values_and_grads(case, args, cts)
+  for i, (got, want) in enumerate(zip(outs, t_outs)):
+    helpers.assert_close(got, want, what=f"{case.id} output {i}")
+  for i, got, want in zip(case.diff_args, grads, t_grads):
+    helpers.assert_close(got, want, what=f"{case.id} grad of arg {i}")
