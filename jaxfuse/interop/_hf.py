@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxfuse.blocks import mlp as mlp_blocks
+from jaxfuse.blocks import torch_names
 from jaxfuse.interop import _torch_maps
 from jaxfuse.interop._torch_maps import TorchParam
 
@@ -67,27 +69,25 @@ def hf_param_map(cfg) -> dict[tuple, TorchParam]:
     >>> len(hf_param_map(cfg)), len(hf_param_map(cfg.replace(tie_embeddings=True)))
     (12, 11)
   """
-  out = {("embed_tokens", "embedding"): TorchParam("model.embed_tokens.weight")}
-
-  def linear(path, key, use_bias):
-    out[path + ("kernel",)] = TorchParam(key + ".weight", True)
-    if use_bias:
-      out[path + ("bias",)] = TorchParam(key + ".bias")
-
+  out = {("embed_tokens", "embedding"): ("model.embed_tokens.weight", False)}
+  attention = {name: cfg.o_bias if name == "o_proj" else cfg.qkv_bias
+               for name in ("q_proj", "k_proj", "v_proj", "o_proj")}
+  norm = torch_names.norm_torch_params(use_scale=True, use_bias=False)
   for i in range(cfg.num_layers):
     layer, prefix = ("layers", i), f"model.layers.{i}."
-    out[layer + ("input_layernorm", "scale")] = TorchParam(prefix + "input_layernorm.weight")
-    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-      use_bias = cfg.o_bias if name == "o_proj" else cfg.qkv_bias
-      linear(layer + ("self_attn", name), f"{prefix}self_attn.{name}", use_bias)
-    out[layer + ("post_attention_layernorm", "scale")] = TorchParam(
-        prefix + "post_attention_layernorm.weight")
-    for name in ("gate_proj", "up_proj", "down_proj"):
-      linear(layer + ("mlp", name), f"{prefix}mlp.{name}", cfg.mlp_bias)
-  out[("norm", "scale")] = TorchParam("model.norm.weight")
+    out.update(torch_names.prefixed(norm, layer + ("input_layernorm",),
+                                    prefix + "input_layernorm."))
+    out.update(torch_names.prefixed(torch_names.linear_torch_params(attention),
+                                    layer + ("self_attn",), prefix + "self_attn."))
+    out.update(torch_names.prefixed(norm, layer + ("post_attention_layernorm",),
+                                    prefix + "post_attention_layernorm."))
+    out.update(torch_names.prefixed(mlp_blocks.torch_params(mlp_blocks.GATED, cfg.mlp_bias),
+                                    layer + ("mlp",), prefix + "mlp."))
+  out.update(torch_names.prefixed(norm, ("norm",), "model.norm."))
   if not cfg.tie_embeddings:
-    out[("lm_head", "kernel")] = TorchParam("lm_head.weight")
-  return out
+    out.update(torch_names.prefixed(torch_names.lm_head_torch_params(True, False), ("lm_head",),
+                                    "lm_head."))
+  return _torch_maps.entries(out)
 
 
 def decoder_params_or_none(module):

@@ -3,7 +3,8 @@
 A module's ``TORCH_PARAMS`` maps each parameter path to an entry ``(key, transposed)`` or
 ``(key, transposed, flatten)`` (:class:`TorchParam`). The torch tensor of a parameter is the
 parameter with the axes ``flatten = (start_dim, end_dim)`` merged into one (``torch.flatten``'s
-convention, both ends included), then transposed if ``transposed``.
+convention, both ends included), then transposed if ``transposed``. The maps themselves are
+built in :mod:`jaxfuse.blocks.torch_names`; this module moves the values.
 """
 
 from __future__ import annotations

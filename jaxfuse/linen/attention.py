@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from jaxfuse.nnx.attention import attention_torch_params
-from jaxfuse.ops.flash_attention.heads import attend_projected
+from jaxfuse.blocks import attention as blocks
+from jaxfuse.blocks.torch_names import attention_torch_params
 
 Initializer = Callable[..., jax.Array]
 
@@ -76,30 +76,21 @@ class MultiHeadDotProductAttention(nn.Module):
                deterministic: bool | None = None) -> jax.Array:
     """Attends from ``inputs_q`` to ``inputs_k``/``inputs_v`` (default: ``inputs_q``).
 
-    Arguments as in :meth:`jaxfuse.nnx.MultiHeadAttention.__call__`; ``deterministic`` is
-    accepted for flax compatibility (there is no dropout).
+    ``inputs_q`` is ``[batch..., q_len, features]``, ``inputs_k`` and ``inputs_v``
+    ``[batch..., kv_len, features]`` (``inputs_v`` defaults to ``inputs_k``, which defaults to
+    ``inputs_q``); the other arguments are :func:`jaxfuse.blocks.attention.attend_projected`'s.
+    ``deterministic`` is accepted for flax compatibility (there is no dropout).
     """
     del deterministic
     if self.decode:
       raise NotImplementedError("MultiHeadDotProductAttention: decode=True is not supported")
-    self_attention = inputs_k is None
-    if inputs_k is None:
-      if inputs_v is not None:
-        raise ValueError("MultiHeadDotProductAttention: inputs_k cannot be None if inputs_v is "
-                         "given")
-      inputs_k = inputs_q
-    if inputs_v is None:
-      inputs_v = inputs_k
+    owner = "MultiHeadDotProductAttention"
+    inputs_k, inputs_v, self_attention = blocks.key_value_inputs(owner, inputs_q, inputs_k,
+                                                                 inputs_v)
     features = self.out_features or inputs_q.shape[-1]
-    qkv_features = self.qkv_features or inputs_q.shape[-1]
-    if qkv_features % self.num_heads:
-      raise ValueError(f"MultiHeadDotProductAttention: qkv_features ({qkv_features}) must be "
-                       f"divisible by num_heads ({self.num_heads})")
     num_kv_heads = self.num_kv_heads or self.num_heads
-    if self.num_heads % num_kv_heads:
-      raise ValueError(f"MultiHeadDotProductAttention: num_heads ({self.num_heads}) must be "
-                       f"divisible by num_kv_heads ({num_kv_heads})")
-    head_dim = qkv_features // self.num_heads
+    head_dim = blocks.head_dim(owner, self.num_heads, num_kv_heads,
+                               self.qkv_features or inputs_q.shape[-1], rotary=self.rotary)
 
     def dense(heads, name):
       return nn.DenseGeneral(features=(heads, head_dim), axis=-1, dtype=self.dtype,
@@ -115,11 +106,11 @@ class MultiHeadDotProductAttention(nn.Module):
                            param_dtype=self.param_dtype)(query)
       key = nn.LayerNorm(name="key_ln", use_bias=False, dtype=self.dtype,
                          param_dtype=self.param_dtype)(key)
-    x = attend_projected(query, key, value, self_attention=self_attention, rotary=self.rotary,
-                         rotary_base=self.rotary_base, positions=positions,
-                         kv_positions=kv_positions, mask=mask, is_causal=is_causal,
-                         segment_ids=segment_ids, kv_lengths=kv_lengths,
-                         implementation=self.implementation)
+    x = blocks.attend_projected(query, key, value, self_attention=self_attention,
+                                rotary=self.rotary, rotary_base=self.rotary_base,
+                                positions=positions, kv_positions=kv_positions, mask=mask,
+                                is_causal=is_causal, segment_ids=segment_ids,
+                                kv_lengths=kv_lengths, implementation=self.implementation)
     return nn.DenseGeneral(features=features, axis=(-2, -1),
                            kernel_init=self.out_kernel_init or self.kernel_init,
                            bias_init=self.out_bias_init or self.bias_init,
@@ -130,7 +121,7 @@ class MultiHeadDotProductAttention(nn.Module):
   @property
   def TORCH_PARAMS(self) -> dict:  # noqa: N802 (the name every module's map has)
     """``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` torch ``nn.Linear`` weights (and biases),
-    as :func:`jaxfuse.nnx.attention.attention_torch_params`."""
+    as :func:`jaxfuse.blocks.torch_names.attention_torch_params`."""
     return attention_torch_params(self.use_bias, self.normalize_qk)
 
 

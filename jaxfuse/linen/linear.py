@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from jaxfuse.ops import linear as linear_ops
+from jaxfuse.blocks import linear
+from jaxfuse.blocks.torch_names import recompute_linear_torch_params
 
 default_weight_init = nn.initializers.lecun_normal(in_axis=-1, out_axis=-2)
 
@@ -43,17 +44,13 @@ class RecomputeLinear(nn.Module):
                         self.param_dtype)
     bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype) \
         if self.use_bias else None
-    dtype = self.dtype or jnp.result_type(x, weight)
-    return x.astype(dtype), weight.astype(dtype), None if bias is None else bias.astype(dtype)
+    return linear.cast(x, weight, bias, self.dtype)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    return linear_ops.recompute_linear(*self.arrays(x), implementation=self.implementation)
+    return linear.recompute_linear(*self.arrays(x), implementation=self.implementation)
 
   @property
   def TORCH_PARAMS(self) -> dict:  # noqa: N802 (the name every module's map has)
     """``weight`` and ``bias`` (with ``use_bias``) under torch ``nn.Linear``'s names and
     layout."""
-    params = {("weight",): ("weight", False)}
-    if self.use_bias:
-      params[("bias",)] = ("bias", False)
-    return params
+    return recompute_linear_torch_params(self.use_bias)

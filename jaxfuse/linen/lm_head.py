@@ -8,7 +8,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxfuse.ops import cross_entropy
+from jaxfuse.blocks import lm_head
+from jaxfuse.blocks.torch_names import lm_head_torch_params
 
 Array = jax.Array
 
@@ -70,14 +71,11 @@ class LMHead(nn.Module):
                        f"({self.vocab_size}, {h.shape[-1]}), got {tuple(weight.shape)}")
     bias = (self.param("bias", self.bias_init, (self.vocab_size,), self.param_dtype)
             if self.use_bias else None)
-    dtype = self.dtype or weight.dtype
-    h, weight = h.astype(dtype), weight.astype(dtype)
-    bias = None if bias is None else bias.astype(dtype)
     if labels is None or deterministic:
-      return cross_entropy.linear_logits(h, weight, bias)
-    return cross_entropy.linear_cross_entropy(
-        h, weight, labels, bias=bias, ignore_index=self.ignore_index, reduction=self.reduction,
-        label_smoothing=self.label_smoothing, z_loss=self.z_loss,
+      return lm_head.logits(h, weight, bias, dtype=self.dtype)
+    return lm_head.loss(
+        h, weight, labels, bias, dtype=self.dtype, ignore_index=self.ignore_index,
+        reduction=self.reduction, label_smoothing=self.label_smoothing, z_loss=self.z_loss,
         logit_softcap=self.logit_softcap, chunk_size=self.chunk_size,
         grad_in_forward=self.grad_in_forward, implementation=self.implementation)
 
@@ -86,7 +84,4 @@ class LMHead(nn.Module):
     """``kernel`` as ``weight`` (``[V, D]``, torch ``nn.Linear(D, V)``'s layout) and, with
     ``use_bias``, ``bias``. A head called with ``weight=`` (tied) has no kernel: leave the
     ``("kernel",)`` entry out, and pass the rest as ``mapping=`` to :mod:`jaxfuse.interop`."""
-    params = {("kernel",): ("weight", False)}
-    if self.use_bias:
-      params[("bias",)] = ("bias", False)
-    return params
+    return lm_head_torch_params(True, self.use_bias)

@@ -1,6 +1,6 @@
 """Flax Linen MLP blocks over jaxfuse's fused ops: ``GatedMLP`` (LLaMA's SwiGLU MLP) and ``MLP``.
 
-The parameter tree matches :mod:`jaxfuse.nnx.mlp` (and ``flax.linen.Dense``'s layout):
+The parameter tree matches the NNX modules' (and ``flax.linen.Dense``'s layout):
 ``{"gate_proj": {"kernel", ["bias"]}, "up_proj": {...}, "down_proj": {...}}`` for ``GatedMLP``
 and ``{"up_proj": {"kernel", "bias"}, "down_proj": {"kernel", ["bias"]}}`` for ``MLP``, kernels
 ``(in, out)``.
@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from jaxfuse.nnx.mlp import linear_torch_params
-from jaxfuse.remat import mlp as blocks
+from jaxfuse.blocks import mlp as blocks
+from jaxfuse.remat import mlp as remat_mlp
 
 _DEFAULT_KERNEL_INIT = nn.initializers.lecun_normal()
 
@@ -41,24 +41,23 @@ class _Projection(nn.Module):
     return kernel, bias
 
 
-def _check(module: str, recompute):
-  if recompute not in blocks.RECOMPUTE:
-    raise ValueError(f"{module}: recompute must be one of {blocks.RECOMPUTE}, got {recompute!r}")
+class _Block(nn.Module):
+  """What both MLPs do: create the projections of their kind
+  (:func:`jaxfuse.blocks.mlp.projections`) and call its block with their arrays.
 
-
-class GatedMLP(nn.Module):
-  """``down_proj(act(gate_proj(x)) * up_proj(x))`` with the gated unit fused.
-
-  Attributes are those of :class:`jaxfuse.nnx.GatedMLP` (``in_features`` comes from the input).
-
-  Example:
-    >>> import jax, jax.numpy as jnp
-    >>> from jaxfuse.linen import GatedMLP
-    >>> mlp = GatedMLP(hidden_features=32)
-    >>> params = mlp.init(jax.random.key(0), jnp.ones((2, 8)))
-    >>> mlp.apply(params, jnp.ones((2, 8))).shape
-    (2, 8)
+  Attributes (``in_features`` comes from the input; each MLP has its own defaults of
+  ``activation`` and ``use_bias``):
+    hidden_features: the hidden size.
+    out_features: the output's last dimension (default: the input's).
+    activation: as :func:`jaxfuse.ops.glu` (gated) or :func:`jaxfuse.ops.bias_act` takes it.
+    use_bias: whether the projections have biases (an ``MLP``'s ``up_proj`` always has one).
+    dtype, param_dtype, precision, kernel_init, bias_init: as ``flax.linen.Dense``.
+    recompute: what the backward keeps: ``"activation"``, ``"block"`` or ``None`` (see
+      :mod:`jaxfuse.remat.mlp`).
+    implementation: passed to the fused op.
   """
+
+  KIND = blocks.GATED
 
   hidden_features: int
   out_features: int | None = None
@@ -74,68 +73,58 @@ class GatedMLP(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
-    _check("GatedMLP", self.recompute)
+    remat_mlp.check_recompute(self.recompute, type(self).__name__)
     d = x.shape[-1]
     out = d if self.out_features is None else self.out_features
-    shared = dict(use_bias=self.use_bias, param_dtype=self.param_dtype,
-                  kernel_init=self.kernel_init, bias_init=self.bias_init)
-    wg, bg = _Projection(d, self.hidden_features, name="gate_proj", **shared)()
-    wu, bu = _Projection(d, self.hidden_features, name="up_proj", **shared)()
-    wd, bd = _Projection(self.hidden_features, out, name="down_proj", **shared)()
-    x, wg, wu, wd, bg, bu, bd = nn.dtypes.promote_dtype(x, wg, wu, wd, bg, bu, bd,
-                                                        dtype=self.dtype)
-    return blocks.gated_mlp(x, wg, wu, wd, gate_bias=bg, up_bias=bu, down_bias=bd,
-                            activation=self.activation, recompute=self.recompute,
-                            precision=self.precision, implementation=self.implementation)
+    layout = blocks.projections(self.KIND, d, self.hidden_features, out, self.use_bias)
+    created = [_Projection(n_in, n_out, has_bias, self.param_dtype, self.kernel_init,
+                           self.bias_init, name=name)()
+               for name, (n_in, n_out, has_bias) in layout.items()]
+    x, *arrays = nn.dtypes.promote_dtype(x, *(a for pair in created for a in pair),
+                                         dtype=self.dtype)
+    params = dict(zip(layout, zip(arrays[::2], arrays[1::2])))
+    return remat_mlp.mlp_block(self.KIND, x, params, recompute=self.recompute,
+                               activation=self.activation, precision=self.precision,
+                               implementation=self.implementation)
 
   @property
   def TORCH_PARAMS(self) -> dict:  # noqa: N802 (the name every module's map has)
-    """Hugging Face ``LlamaMLP``'s names, as :attr:`jaxfuse.nnx.GatedMLP.TORCH_PARAMS`."""
-    return linear_torch_params(dict.fromkeys(("gate_proj", "up_proj", "down_proj"),
-                                             self.use_bias))
+    """The projections as torch ``nn.Linear`` submodules of the same names (Hugging Face
+    ``LlamaMLP``'s for ``GatedMLP``): ``name.weight`` (the kernel, transposed), ``name.bias``."""
+    return blocks.torch_params(self.KIND, self.use_bias)
 
 
-class MLP(nn.Module):
-  """``down_proj(act(up_proj(x)))`` with ``up_proj``'s bias and the activation fused.
+class GatedMLP(_Block):
+  """``down_proj(act(gate_proj(x)) * up_proj(x))`` with the gated unit fused.
 
-  Attributes are those of :class:`jaxfuse.nnx.MLP` (``in_features`` comes from the input).
+  Attributes: see ``_Block``; defaults ``activation="silu"`` (SwiGLU), ``use_bias=False``.
 
   Example:
     >>> import jax, jax.numpy as jnp
-    >>> from jaxfuse.linen import MLP
-    >>> mlp = MLP(hidden_features=32)
+    >>> from jaxfuse.linen import GatedMLP
+    >>> mlp = GatedMLP(hidden_features=32)
     >>> params = mlp.init(jax.random.key(0), jnp.ones((2, 8)))
     >>> mlp.apply(params, jnp.ones((2, 8))).shape
     (2, 8)
   """
 
-  hidden_features: int
-  out_features: int | None = None
+  KIND = blocks.GATED
+
+
+class MLP(_Block):
+  """``down_proj(act(up_proj(x)))`` with ``up_proj``'s bias and the activation fused.
+
+  Attributes: see ``_Block``; defaults ``activation="gelu"``, ``use_bias=True``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jaxfuse.linen import MLP
+    >>> mlp = MLP(hidden_features=32, out_features=4, activation="relu")
+    >>> params = mlp.init(jax.random.key(0), jnp.ones((2, 8)))
+    >>> jax.tree.map(jnp.shape, params["params"]["down_proj"])
+    {'bias': (4,), 'kernel': (32, 4)}
+  """
+
+  KIND = blocks.PLAIN
   activation: str | Callable = "gelu"
   use_bias: bool = True
-  dtype: Any = None
-  param_dtype: Any = jnp.float32
-  precision: Any = jax.lax.Precision.HIGHEST
-  kernel_init: Callable = _DEFAULT_KERNEL_INIT
-  bias_init: Callable = nn.initializers.zeros_init()
-  recompute: str | None = "activation"
-  implementation: str | None = None
-
-  @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:
-    _check("MLP", self.recompute)
-    d = x.shape[-1]
-    out = d if self.out_features is None else self.out_features
-    shared = dict(param_dtype=self.param_dtype, kernel_init=self.kernel_init,
-                  bias_init=self.bias_init)
-    w1, b1 = _Projection(d, self.hidden_features, True, name="up_proj", **shared)()
-    w2, b2 = _Projection(self.hidden_features, out, self.use_bias, name="down_proj", **shared)()
-    x, w1, b1, w2, b2 = nn.dtypes.promote_dtype(x, w1, b1, w2, b2, dtype=self.dtype)
-    return blocks.mlp(x, w1, b1, w2, b2, activation=self.activation, recompute=self.recompute,
-                      precision=self.precision, implementation=self.implementation)
-
-  @property
-  def TORCH_PARAMS(self) -> dict:  # noqa: N802 (the name every module's map has)
-    """``up_proj`` and ``down_proj`` torch ``nn.Linear`` names, as
-    :attr:`jaxfuse.nnx.MLP.TORCH_PARAMS`."""
-    return linear_torch_params({"up_proj": True, "down_proj": self.use_bias})

@@ -8,9 +8,9 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from jaxfuse.blocks.simple_nn import check_recompute, simple_nn_block
+from jaxfuse.blocks.torch_names import SIMPLE_NN_TORCH_PARAMS
 from jaxfuse.linen.linear import RecomputeLinear
-from jaxfuse.nnx import simple_nn as nnx_simple_nn
-from jaxfuse.nnx.simple_nn import check_recompute, simple_nn_block
 from jaxfuse.ops.elementwise import relu
 from jaxfuse.remat import recompute as recompute_fn
 
@@ -18,7 +18,7 @@ from jaxfuse.remat import recompute as recompute_fn
 class SimpleNN(nn.Module):
   """``fc2(relu(fc1(x)))``; ``recompute`` is ``None``, ``"fc1"`` or ``"block"``.
 
-  The same layouts and parameter names as :class:`jaxfuse.nnx.SimpleNN` (``fc1/weight``
+  The same layouts and parameter names as the NNX ``SimpleNN`` (``fc1/weight``
   ``[hidden, in]``, ``fc1/bias``, ``fc2/kernel`` ``[hidden, out]``, ``fc2/bias``); the input
   size is taken from the input.
 
@@ -56,4 +56,4 @@ class SimpleNN(nn.Module):
     block = recompute_fn(simple_nn_block) if self.recompute == "block" else simple_nn_block
     return block(x, w1, b1, w2, b2)
 
-  TORCH_PARAMS = nnx_simple_nn.SimpleNN.TORCH_PARAMS
+  TORCH_PARAMS = SIMPLE_NN_TORCH_PARAMS

@@ -17,34 +17,11 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import initializers
 
-from jaxfuse.ops.flash_attention.heads import attend_projected
+from jaxfuse.blocks import attention as blocks
+from jaxfuse.blocks.torch_names import attention_torch_params
 
 Initializer = Callable[..., jax.Array]
 default_kernel_init = initializers.lecun_normal()
-
-
-def attention_torch_params(use_bias: bool, normalize_qk: bool) -> dict:
-  """The torch map of an attention module's parameters: separate ``q_proj``, ``k_proj``,
-  ``v_proj`` and ``o_proj`` ``nn.Linear`` weights ``[out, in]`` (Hugging Face's names).
-
-  The ``LinearGeneral`` kernels ``[in, heads, head_dim]`` are flattened over their last two axes
-  and transposed; ``out``'s ``[heads, head_dim, out]`` over its first two; the q/k/v biases
-  ``[heads, head_dim]`` are flattened. ``query_ln`` and ``key_ln`` (``normalize_qk``) are
-  ``q_norm.weight`` and ``k_norm.weight``: a ``torch.nn.LayerNorm(head_dim, bias=False)``
-  applied per head.
-  """
-  params = {}
-  for name, key in (("query", "q_proj"), ("key", "k_proj"), ("value", "v_proj")):
-    params[(name, "kernel")] = (f"{key}.weight", True, (1, 2))
-    if use_bias:
-      params[(name, "bias")] = (f"{key}.bias", False, (0, 1))
-  params[("out", "kernel")] = ("o_proj.weight", True, (0, 1))
-  if use_bias:
-    params[("out", "bias")] = ("o_proj.bias", False)
-  if normalize_qk:
-    params[("query_ln", "scale")] = ("q_norm.weight", False)
-    params[("key_ln", "scale")] = ("k_norm.weight", False)
-  return params
 
 
 class MultiHeadAttention(nnx.Module):
@@ -114,15 +91,8 @@ class MultiHeadAttention(nnx.Module):
     self.out_features = out_features if out_features is not None else in_features
     self.in_kv_features = in_kv_features if in_kv_features is not None else in_features
     self.num_kv_heads = num_kv_heads if num_kv_heads is not None else num_heads
-    if self.num_heads % self.num_kv_heads:
-      raise ValueError(f"MultiHeadAttention: num_heads ({num_heads}) must be divisible by "
-                       f"num_kv_heads ({self.num_kv_heads})")
-    if self.qkv_features % self.num_heads:
-      raise ValueError(f"MultiHeadAttention: qkv_features ({self.qkv_features}) must be "
-                       f"divisible by num_heads ({num_heads})")
-    self.head_dim = self.qkv_features // self.num_heads
-    if rotary and self.head_dim % 2:
-      raise ValueError(f"MultiHeadAttention: rotary needs an even head dim, got {self.head_dim}")
+    self.head_dim = blocks.head_dim("MultiHeadAttention", num_heads, self.num_kv_heads,
+                                    self.qkv_features, rotary=rotary)
     self.dtype = dtype
     self.param_dtype = param_dtype
     self.use_bias = use_bias
@@ -182,32 +152,26 @@ class MultiHeadAttention(nnx.Module):
     del deterministic  # no dropout
     if decode:
       raise NotImplementedError("MultiHeadAttention: decode=True is not supported")
-    if inputs_k is None:
-      if inputs_v is not None:
-        raise ValueError("MultiHeadAttention: inputs_k cannot be None if inputs_v is given")
-      self_attention = True
-      inputs_k = inputs_q
-    else:
-      self_attention = False
-    if inputs_v is None:
-      inputs_v = inputs_k
+    inputs_k, inputs_v, self_attention = blocks.key_value_inputs(
+        "MultiHeadAttention", inputs_q, inputs_k, inputs_v)
     if inputs_q.shape[-1] != self.in_features:
       raise ValueError(f"MultiHeadAttention: inputs_q must have {self.in_features} features "
                        f"(last axis), got shape {inputs_q.shape}")
     query, key, value = self.query(inputs_q), self.key(inputs_k), self.value(inputs_v)
     if self.normalize_qk:
       query, key = self.query_ln(query), self.key_ln(key)
-    x = attend_projected(query, key, value, self_attention=self_attention, rotary=self.rotary,
-                         rotary_base=self.rotary_base, positions=positions,
-                         kv_positions=kv_positions, mask=mask, is_causal=is_causal,
-                         segment_ids=segment_ids, kv_lengths=kv_lengths,
-                         implementation=self.implementation)
+    x = blocks.attend_projected(query, key, value, self_attention=self_attention,
+                                rotary=self.rotary, rotary_base=self.rotary_base,
+                                positions=positions, kv_positions=kv_positions, mask=mask,
+                                is_causal=is_causal, segment_ids=segment_ids,
+                                kv_lengths=kv_lengths, implementation=self.implementation)
     return self.out(x)
 
   @property
   def TORCH_PARAMS(self) -> dict:  # noqa: N802 (the name every module's map has)
     """``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` torch ``nn.Linear`` weights (and biases)
-    as Hugging Face's attention has them; see :func:`attention_torch_params`.
+    as Hugging Face's attention has them; see
+    :func:`jaxfuse.blocks.torch_names.attention_torch_params`.
 
     Example:
       >>> from flax import nnx

@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxfuse.ops import linear as linear_ops
+from jaxfuse.blocks import linear
+from jaxfuse.blocks.torch_names import recompute_linear_torch_params
 
 # Weight is [out, in] (torch's layout): fan-in is the last axis.
 default_weight_init = nnx.initializers.lecun_normal(in_axis=-1, out_axis=-2)
@@ -23,8 +24,8 @@ class RecomputeLinear(nnx.Module):
     >>> from flax import nnx
     >>> from jaxfuse.nnx import RecomputeLinear
     >>> layer = RecomputeLinear(3, 4, rngs=nnx.Rngs(0))
-    >>> layer(jnp.ones((2, 3))).shape
-    (2, 4)
+    >>> layer.weight.shape, layer(jnp.ones((2, 3))).shape   # torch's [out, in] weight
+    ((4, 3), (2, 4))
   """
 
   def __init__(self, in_features: int, out_features: int, *, use_bias: bool = True,
@@ -41,12 +42,11 @@ class RecomputeLinear(nnx.Module):
 
   def arrays(self, x: jax.Array):
     """``(x, weight, bias)`` cast to the computation dtype."""
-    dtype = self.dtype or jnp.result_type(x, self.weight[...])
-    bias = None if self.bias is None else self.bias[...].astype(dtype)
-    return x.astype(dtype), self.weight[...].astype(dtype), bias
+    bias = None if self.bias is None else self.bias[...]
+    return linear.cast(x, self.weight[...], bias, self.dtype)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    return linear_ops.recompute_linear(*self.arrays(x), implementation=self.implementation)
+    return linear.recompute_linear(*self.arrays(x), implementation=self.implementation)
 
   @property
   def TORCH_PARAMS(self) -> dict:  # noqa: N802 (the name every module's map has)
@@ -58,7 +58,4 @@ class RecomputeLinear(nnx.Module):
       >>> RecomputeLinear(3, 4, use_bias=False, rngs=nnx.Rngs(0)).TORCH_PARAMS
       {('weight',): ('weight', False)}
     """
-    params = {("weight",): ("weight", False)}
-    if self.bias is not None:
-      params[("bias",)] = ("bias", False)
-    return params
+    return recompute_linear_torch_params(self.bias is not None)

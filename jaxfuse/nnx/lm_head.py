@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxfuse.ops import cross_entropy
+from jaxfuse.blocks import lm_head
+from jaxfuse.blocks.torch_names import lm_head_torch_params
 
 Array = jax.Array
 
@@ -91,22 +92,18 @@ class LMHead(nnx.Module):
     """The ``[V, D]`` weight: the head's own, or the tied embedding table."""
     return (self.tied.embedding if self.tied is not None else self.kernel)[...]
 
-  def _arrays(self, h):
-    weight = self.weight
-    bias = None if self.bias is None else self.bias[...]
-    dtype = self.dtype or weight.dtype
-    cast = lambda x: None if x is None else x.astype(dtype)  # noqa: E731
-    return cast(h), cast(weight), cast(bias)
+  @property
+  def _bias(self) -> Array | None:
+    return None if self.bias is None else self.bias[...]
 
   def loss(self, h: Array, labels: Array, **options):
     """The fused loss (in any mode); ``options`` override the constructor's loss options."""
-    h, weight, bias = self._arrays(h)
-    return cross_entropy.linear_cross_entropy(h, weight, labels, bias=bias,
-                                              **{**self.loss_options, **options})
+    return lm_head.loss(h, self.weight, labels, self._bias, dtype=self.dtype,
+                        **{**self.loss_options, **options})
 
   def logits(self, h: Array) -> Array:
     """Float32 logits ``h @ weight.T + bias`` for a small slice of ``h``."""
-    return cross_entropy.linear_logits(*self._arrays(h))
+    return lm_head.logits(h, self.weight, self._bias, dtype=self.dtype)
 
   def __call__(self, h: Array, labels: Array | None = None):
     if labels is None or self.deterministic:
@@ -127,7 +124,4 @@ class LMHead(nnx.Module):
       ...        rngs=nnx.Rngs(0)).TORCH_PARAMS
       {('bias',): ('bias', False)}
     """
-    params = {("kernel",): ("weight", False)} if self.kernel is not None else {}
-    if self.bias is not None:
-      params[("bias",)] = ("bias", False)
-    return params
+    return lm_head_torch_params(self.kernel is not None, self.bias is not None)

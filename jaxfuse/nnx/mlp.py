@@ -8,13 +8,14 @@ Parameters live in ``flax.nnx.Linear`` submodules, so their names and layouts ar
 - ``MLP``: ``up_proj`` (kernel ``(in_features, hidden_features)``, bias ``(hidden_features,)``)
   and ``down_proj``.
 
-The submodules are not called: the modules pass their arrays to the pure blocks of
-:mod:`jaxfuse.remat.mlp`, which fuse the activation and recompute the hidden activation in the
-backward pass (``recompute=``, see there).
+The submodules are not called: the modules pass their arrays to the blocks of
+:mod:`jaxfuse.blocks.mlp`, which fuse the activation, through :mod:`jaxfuse.remat.mlp`, which
+recomputes the hidden activation in the backward pass (``recompute=``, see there).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -22,40 +23,60 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import dtypes, initializers
 
-from jaxfuse.remat import mlp as blocks
+from jaxfuse.blocks import mlp as blocks
+from jaxfuse.blocks.torch_names import linear_torch_params
+from jaxfuse.remat import mlp as remat_mlp
 
 _DEFAULT_KERNEL_INIT = initializers.lecun_normal()
 _ZEROS = initializers.zeros_init()
 
 
-def _values(*params):
-  return [None if p is None else p[...] for p in params]
+class _Block(nnx.Module):
+  """What both MLPs do: create the ``nnx.Linear`` projections of their kind
+  (:func:`jaxfuse.blocks.mlp.projections`), and call its block with their arrays."""
+
+  KIND: str
+
+  def __init__(self, in_features: int, hidden_features: int, out_features: int | None = None, *,
+               activation: str | Callable, use_bias: bool, dtype=None, param_dtype=jnp.float32,
+               precision=jax.lax.Precision.HIGHEST, kernel_init=_DEFAULT_KERNEL_INIT,
+               bias_init=_ZEROS, recompute: str | None = "activation",
+               implementation: str | None = None, rngs: nnx.Rngs):
+    remat_mlp.check_recompute(recompute, type(self).__name__)
+    self.activation = activation
+    self.dtype = dtype
+    self.precision = precision
+    self.recompute = recompute
+    self.implementation = implementation
+    out_features = in_features if out_features is None else out_features
+    layout = blocks.projections(self.KIND, in_features, hidden_features, out_features, use_bias)
+    for name, (n_in, n_out, has_bias) in layout.items():
+      setattr(self, name, nnx.Linear(n_in, n_out, use_bias=has_bias, dtype=dtype,
+                                     param_dtype=param_dtype, precision=precision,
+                                     kernel_init=kernel_init, bias_init=bias_init, rngs=rngs))
+
+  def _projections(self) -> dict[str, nnx.Linear]:
+    return {name: getattr(self, name) for name in blocks.PROJECTIONS[self.KIND]}
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    values = [x]
+    for proj in self._projections().values():
+      values += [proj.kernel[...], None if proj.bias is None else proj.bias[...]]
+    x, *arrays = dtypes.promote_dtype(values, dtype=self.dtype)
+    params = dict(zip(self._projections(), zip(arrays[::2], arrays[1::2])))
+    return remat_mlp.mlp_block(self.KIND, x, params, recompute=self.recompute,
+                               activation=self.activation, precision=self.precision,
+                               implementation=self.implementation)
+
+  @property
+  def TORCH_PARAMS(self) -> dict:  # noqa: N802 (the name every module's map has)
+    """The projections as torch ``nn.Linear`` submodules of the same names: ``name.weight``
+    (torch ``[out, in]``: the kernel transposed) and, where there is one, ``name.bias``."""
+    return linear_torch_params({name: proj.bias is not None
+                                for name, proj in self._projections().items()})
 
 
-def linear_torch_params(projections: dict[str, bool]) -> dict:
-  """The torch map of flax ``Linear`` projections: ``{name: has_bias}`` to ``name.weight``
-  (the kernel, transposed) and ``name.bias``, as torch ``nn.Linear`` submodules name them."""
-  params = {}
-  for name, has_bias in projections.items():
-    params[(name, "kernel")] = (f"{name}.weight", True)
-    if has_bias:
-      params[(name, "bias")] = (f"{name}.bias", False)
-  return params
-
-
-def _keep_settings(module, activation, dtype, precision, recompute, implementation):
-  """Checks ``recompute`` and stores the settings both blocks pass to :mod:`jaxfuse.remat.mlp`."""
-  if recompute not in blocks.RECOMPUTE:
-    raise ValueError(f"{type(module).__name__}: recompute must be one of {blocks.RECOMPUTE}, "
-                     f"got {recompute!r}")
-  module.activation = activation
-  module.dtype = dtype
-  module.precision = precision
-  module.recompute = recompute
-  module.implementation = implementation
-
-
-class GatedMLP(nnx.Module):
+class GatedMLP(_Block):
   """``down_proj(act(gate_proj(x)) * up_proj(x))`` with the gated unit fused (:func:`glu`).
 
   Args:
@@ -74,53 +95,25 @@ class GatedMLP(nnx.Module):
     implementation: passed to :func:`jaxfuse.ops.glu`.
     rngs: the random number generators.
 
+  Its ``TORCH_PARAMS`` are Hugging Face ``LlamaMLP``'s names: ``gate_proj.weight``,
+  ``up_proj.weight``, ``down_proj.weight`` and, with ``use_bias``, their biases.
+
   Example:
     >>> import jax.numpy as jnp
     >>> from flax import nnx
     >>> from jaxfuse.nnx import GatedMLP
-    >>> mlp = GatedMLP(8, 32, rngs=nnx.Rngs(0))
-    >>> mlp(jnp.ones((2, 8))).shape
-    (2, 8)
+    >>> mlp = GatedMLP(8, 32, activation="gelu", rngs=nnx.Rngs(0))   # GEGLU
+    >>> mlp.gate_proj.kernel.shape, mlp(jnp.ones((2, 8))).shape
+    ((8, 32), (2, 8))
+    >>> sorted(key for key, _ in mlp.TORCH_PARAMS.values())
+    ['down_proj.weight', 'gate_proj.weight', 'up_proj.weight']
   """
 
-  def __init__(self, in_features: int, hidden_features: int, out_features: int | None = None, *,
-               activation: str | Callable = "silu", use_bias: bool = False,
-               dtype=None, param_dtype=jnp.float32, precision=jax.lax.Precision.HIGHEST,
-               kernel_init=_DEFAULT_KERNEL_INIT, bias_init=_ZEROS,
-               recompute: str | None = "activation", implementation: str | None = None,
-               rngs: nnx.Rngs):
-    _keep_settings(self, activation, dtype, precision, recompute, implementation)
-    out_features = in_features if out_features is None else out_features
-    linear = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, precision=precision,
-                  kernel_init=kernel_init, bias_init=bias_init, rngs=rngs)
-    self.gate_proj = nnx.Linear(in_features, hidden_features, **linear)
-    self.up_proj = nnx.Linear(in_features, hidden_features, **linear)
-    self.down_proj = nnx.Linear(hidden_features, out_features, **linear)
-
-  def __call__(self, x: jax.Array) -> jax.Array:
-    arrays = [x, *_values(self.gate_proj.kernel, self.up_proj.kernel, self.down_proj.kernel,
-                          self.gate_proj.bias, self.up_proj.bias, self.down_proj.bias)]
-    x, wg, wu, wd, bg, bu, bd = dtypes.promote_dtype(arrays, dtype=self.dtype)
-    return blocks.gated_mlp(x, wg, wu, wd, gate_bias=bg, up_bias=bu, down_bias=bd,
-                            activation=self.activation, recompute=self.recompute,
-                            precision=self.precision, implementation=self.implementation)
-
-  @property
-  def TORCH_PARAMS(self) -> dict:  # noqa: N802 (the name every module's map has)
-    """Hugging Face ``LlamaMLP``'s names: ``gate_proj.weight``, ``up_proj.weight``,
-    ``down_proj.weight`` (torch ``[out, in]``: the kernels transposed) and their biases.
-
-    Example:
-      >>> from flax import nnx
-      >>> from jaxfuse.nnx import GatedMLP
-      >>> sorted(key for key, _ in GatedMLP(8, 32, rngs=nnx.Rngs(0)).TORCH_PARAMS.values())
-      ['down_proj.weight', 'gate_proj.weight', 'up_proj.weight']
-    """
-    return linear_torch_params({name: getattr(self, name).bias is not None
-                                for name in ("gate_proj", "up_proj", "down_proj")})
+  KIND = blocks.GATED
+  __init__ = functools.partialmethod(_Block.__init__, activation="silu", use_bias=False)
 
 
-class MLP(nnx.Module):
+class MLP(_Block):
   """``down_proj(act(up_proj(x)))`` with ``up_proj``'s bias and the activation fused
   (:func:`jaxfuse.ops.bias_act`).
 
@@ -135,38 +128,17 @@ class MLP(nnx.Module):
       ``"block"`` (keep the input only) or ``None``.
     implementation: passed to :func:`jaxfuse.ops.bias_act`.
 
+  Its ``TORCH_PARAMS``: ``up_proj.weight``, ``up_proj.bias``, ``down_proj.weight`` and (with
+  ``use_bias``) ``down_proj.bias``, torch ``nn.Linear`` submodules of those names.
+
   Example:
     >>> import jax.numpy as jnp
     >>> from flax import nnx
     >>> from jaxfuse.nnx import MLP
-    >>> mlp = MLP(8, 32, rngs=nnx.Rngs(0))
-    >>> mlp(jnp.ones((2, 8))).shape
-    (2, 8)
+    >>> mlp = MLP(8, 32, 4, use_bias=False, recompute="block", rngs=nnx.Rngs(0))
+    >>> mlp(jnp.ones((3, 8))).shape, mlp.down_proj.bias is None
+    ((3, 4), True)
   """
 
-  def __init__(self, in_features: int, hidden_features: int, out_features: int | None = None, *,
-               activation: str | Callable = "gelu", use_bias: bool = True, dtype=None,
-               param_dtype=jnp.float32, precision=jax.lax.Precision.HIGHEST,
-               kernel_init=_DEFAULT_KERNEL_INIT, bias_init=_ZEROS,
-               recompute: str | None = "activation", implementation: str | None = None,
-               rngs: nnx.Rngs):
-    _keep_settings(self, activation, dtype, precision, recompute, implementation)
-    out_features = in_features if out_features is None else out_features
-    linear = dict(dtype=dtype, param_dtype=param_dtype, precision=precision,
-                  kernel_init=kernel_init, bias_init=bias_init, rngs=rngs)
-    self.up_proj = nnx.Linear(in_features, hidden_features, use_bias=True, **linear)
-    self.down_proj = nnx.Linear(hidden_features, out_features, use_bias=use_bias, **linear)
-
-  def __call__(self, x: jax.Array) -> jax.Array:
-    arrays = [x, *_values(self.up_proj.kernel, self.up_proj.bias, self.down_proj.kernel,
-                          self.down_proj.bias)]
-    x, w1, b1, w2, b2 = dtypes.promote_dtype(arrays, dtype=self.dtype)
-    return blocks.mlp(x, w1, b1, w2, b2, activation=self.activation, recompute=self.recompute,
-                      precision=self.precision, implementation=self.implementation)
-
-  @property
-  def TORCH_PARAMS(self) -> dict:  # noqa: N802 (the name every module's map has)
-    """``up_proj.weight``, ``up_proj.bias``, ``down_proj.weight`` and (with ``use_bias``)
-    ``down_proj.bias``: torch ``nn.Linear`` submodules of those names (weights ``[out, in]``)."""
-    return linear_torch_params({"up_proj": True,
-                                "down_proj": self.down_proj.bias is not None})
+  KIND = blocks.PLAIN
+  __init__ = functools.partialmethod(_Block.__init__, activation="gelu", use_bias=True)

@@ -26,11 +26,15 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import dtypes, initializers
 
-from jaxfuse.ops import normalization as ops
+from jaxfuse.blocks import normalization
+from jaxfuse.blocks.torch_names import norm_torch_params
 
 
 class _LastAxisNorm(nnx.Module):
-  """What LayerNorm and RMSNorm share: flax's attributes, the scale, the option checks."""
+  """What LayerNorm and RMSNorm share: flax's attributes, the scale, the option checks, the
+  call of the block (:mod:`jaxfuse.blocks.normalization`) of the subclass's ``KIND``."""
+
+  KIND: str
 
   def _setup(self, num_features, epsilon, dtype, param_dtype, use_scale, scale_init,
              scale_metadata, reduction_axes, feature_axes, axis_name, axis_index_groups,
@@ -50,10 +54,31 @@ class _LastAxisNorm(nnx.Module):
     self.promote_dtype = promote_dtype
     self.implementation = implementation
 
-  def _check(self, x, mask):
-    ops.check_module_options(type(self).__name__, jnp.ndim(x),
-                             reduction_axes=self.reduction_axes, feature_axes=self.feature_axes,
-                             axis_name=self.axis_name, mask=mask)
+  def _params(self) -> tuple:
+    """The values of the parameters the kind takes: ``(scale,)`` or ``(scale, bias)``."""
+    names = ("scale",) if self.KIND == normalization.RMS else ("scale", "bias")
+    return tuple(None if getattr(self, n) is None else getattr(self, n)[...] for n in names)
+
+  def _normalize(self, x, mask):
+    normalization.check_options(type(self).__name__, x, self, mask)
+    x, *params = self.promote_dtype((x, *self._params()), dtype=self.dtype)
+    return normalization.normalize(self.KIND, x, *params, epsilon=self.epsilon,
+                                   implementation=self.implementation)
+
+  def add(self, x: jax.Array, residual: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(norm(x + residual), x + residual)`` in one kernel (a pre-norm block's step).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> from jaxfuse.nnx import RMSNorm
+      >>> normed, stream = RMSNorm(2, rngs=nnx.Rngs(0)).add(jnp.ones((1, 2)), jnp.ones((1, 2)))
+      >>> stream
+      Array([[2., 2.]], dtype=float32)
+    """
+    x, residual, *params = self.promote_dtype((x, residual, *self._params()), dtype=self.dtype)
+    return normalization.add_normalize(self.KIND, x, residual, *params, epsilon=self.epsilon,
+                                       implementation=self.implementation)
 
   @property
   def TORCH_PARAMS(self) -> dict:  # noqa: N802 (the name every module's map has)
@@ -66,12 +91,7 @@ class _LastAxisNorm(nnx.Module):
       >>> LayerNorm(8, rngs=nnx.Rngs(0)).TORCH_PARAMS
       {('scale',): ('weight', False), ('bias',): ('bias', False)}
     """
-    params = {}
-    if self.scale is not None:
-      params[("scale",)] = ("weight", False)
-    if getattr(self, "bias", None) is not None:
-      params[("bias",)] = ("bias", False)
-    return params
+    return norm_torch_params(self.scale is not None, getattr(self, "bias", None) is not None)
 
 
 class LayerNorm(_LastAxisNorm):
@@ -91,6 +111,8 @@ class LayerNorm(_LastAxisNorm):
     implementation: ``None``, ``"pallas"`` or ``"xla"`` (see :func:`jaxfuse.ops.layer_norm`).
   """
 
+  KIND = normalization.LAYER
+
   def __init__(self, num_features: int, *, epsilon: float = 1e-6, dtype=None,
                param_dtype=jnp.float32, use_bias: bool = True, use_scale: bool = True,
                bias_init=initializers.zeros_init(), scale_init=initializers.ones_init(),
@@ -109,19 +131,7 @@ class LayerNorm(_LastAxisNorm):
     self.use_bias = use_bias
 
   def __call__(self, x: jax.Array, *, mask: jax.Array | None = None) -> jax.Array:
-    self._check(x, mask)
-    scale = self.scale[...] if self.scale is not None else None
-    bias = self.bias[...] if self.bias is not None else None
-    x, scale, bias = self.promote_dtype((x, scale, bias), dtype=self.dtype)
-    return ops.layer_norm(x, scale, bias, eps=self.epsilon, implementation=self.implementation)
-
-  def add(self, x: jax.Array, residual: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``(layer_norm(x + residual), x + residual)`` in one kernel (a pre-norm block's step)."""
-    scale = self.scale[...] if self.scale is not None else None
-    bias = self.bias[...] if self.bias is not None else None
-    x, residual, scale, bias = self.promote_dtype((x, residual, scale, bias), dtype=self.dtype)
-    return ops.add_layer_norm(x, residual, scale, bias, eps=self.epsilon,
-                              implementation=self.implementation)
+    return self._normalize(x, mask)
 
 
 class RMSNorm(_LastAxisNorm):
@@ -142,6 +152,8 @@ class RMSNorm(_LastAxisNorm):
       :func:`jaxfuse.ops.rms_norm`).
   """
 
+  KIND = normalization.RMS
+
   def __init__(self, num_features: int, *, epsilon: float = 1e-6, dtype=None,
                param_dtype=jnp.float32, use_scale: bool = True,
                scale_init=initializers.ones, reduction_axes=-1, feature_axes=-1,
@@ -155,23 +167,4 @@ class RMSNorm(_LastAxisNorm):
                 promote_dtype, rngs, implementation)
 
   def __call__(self, x: jax.Array, mask: jax.Array | None = None) -> jax.Array:
-    self._check(x, mask)
-    scale = self.scale[...] if self.scale is not None else None
-    x, scale = self.promote_dtype((x, scale), dtype=self.dtype)
-    return ops.rms_norm(x, scale, eps=self.epsilon, implementation=self.implementation)
-
-  def add(self, x: jax.Array, residual: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``(rms_norm(x + residual), x + residual)`` in one kernel (a pre-norm block's step).
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> from flax import nnx
-      >>> from jaxfuse.nnx import RMSNorm
-      >>> normed, stream = RMSNorm(2, rngs=nnx.Rngs(0)).add(jnp.ones((1, 2)), jnp.ones((1, 2)))
-      >>> stream
-      Array([[2., 2.]], dtype=float32)
-    """
-    scale = self.scale[...] if self.scale is not None else None
-    x, residual, scale = self.promote_dtype((x, residual, scale), dtype=self.dtype)
-    return ops.add_rms_norm(x, residual, scale, eps=self.epsilon,
-                            implementation=self.implementation)
+    return self._normalize(x, mask)

@@ -6,24 +6,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxfuse.blocks.simple_nn import (RECOMPUTE_CHOICES,  # noqa: F401 (re-exported)
+                                       check_recompute, simple_nn_block)
+from jaxfuse.blocks.torch_names import SIMPLE_NN_TORCH_PARAMS
 from jaxfuse.nnx.linear import RecomputeLinear
-from jaxfuse.ops import linear as linear_ops
 from jaxfuse.ops.elementwise import relu
 from jaxfuse.remat import recompute as recompute_fn
-
-RECOMPUTE_CHOICES = (None, "fc1", "block")
-
-
-def check_recompute(recompute):
-  if recompute not in RECOMPUTE_CHOICES:
-    raise ValueError(f"recompute must be one of {RECOMPUTE_CHOICES}, got {recompute!r}")
-
-
-def simple_nn_block(x, w1, b1, w2, b2):
-  """fc1 (weight ``[hidden, in]``), jax.nn.relu, fc2 (kernel ``[hidden, out]``) in plain jnp."""
-  h = jax.nn.relu(linear_ops.linear_reference(x, w1, b1))
-  precision = jax.lax.Precision.HIGHEST if h.dtype == jnp.float32 else None
-  return jnp.dot(h, w2, precision=precision) + b2
 
 
 class SimpleNN(nnx.Module):
@@ -73,9 +61,4 @@ class SimpleNN(nnx.Module):
     block = recompute_fn(simple_nn_block) if self.recompute == "block" else simple_nn_block
     return block(x, w1, b1, w2, b2)
 
-  TORCH_PARAMS = {
-      ("fc1", "weight"): ("fc1_weight", False),
-      ("fc1", "bias"): ("fc1_bias", False),
-      ("fc2", "kernel"): ("fc2.weight", True),
-      ("fc2", "bias"): ("fc2.bias", False),
-  }
+  TORCH_PARAMS = SIMPLE_NN_TORCH_PARAMS

@@ -1,8 +1,9 @@
-"""MLP blocks as pure functions, with the hidden activation recomputed in the backward pass.
+"""MLP blocks with the hidden activation recomputed in the backward pass.
 
+The computations are :mod:`jaxfuse.blocks.mlp`'s; this module chooses what their backward keeps.
 The Flax modules in :mod:`jaxfuse.nnx` and :mod:`jaxfuse.linen` hold the parameters and call
-these. Each block is wrapped in :func:`jaxfuse.recompute` with one of three choices of what the
-backward keeps (``recompute=``):
+:func:`mlp_block`. Each block is wrapped in :func:`jaxfuse.recompute` with one of three choices
+(``recompute=``):
 
 - ``"activation"`` (the default): the projections' outputs (``gate`` and ``up``, or the
   pre-activation), which the fused op needs anyway; the hidden activation ``act(gate) * up``
@@ -16,24 +17,42 @@ backward keeps (``recompute=``):
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Mapping
 
 import jax
-from jax.ad_checkpoint import checkpoint_name
 
-from jaxfuse.ops import bias_act, dense, glu, names
-from jaxfuse.parallel.rules import constrain
+from jaxfuse.blocks import mlp as blocks
+from jaxfuse.ops import names
 from jaxfuse.remat.recompute import recompute as _recompute
 
 RECOMPUTE = ("activation", "block", None)
+# What recompute="activation" keeps of each kind of block.
+ACTIVATION_KEEPS = {blocks.GATED: [names.MLP_GATE, names.MLP_UP], blocks.PLAIN: [names.MLP_PRE]}
 
 
-def _wrap(block: Callable, recompute: str | None, names: list[str]) -> Callable:
+def check_recompute(recompute: str | None, owner: str | None = None) -> None:
+  """Raises ``ValueError`` (starting with ``owner``, when given) unless ``recompute`` is one of
+  :data:`RECOMPUTE`."""
   if recompute not in RECOMPUTE:
-    raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
-  if recompute is None:
-    return block
-  return _recompute(block, policy=names if recompute == "activation" else "nothing")
+    prefix = f"{owner}: " if owner else ""
+    raise ValueError(f"{prefix}recompute must be one of {RECOMPUTE}, got {recompute!r}")
+
+
+def mlp_block(kind: str, x: jax.Array, params: Mapping[str, tuple], *,
+              recompute: str | None = "activation", **settings) -> jax.Array:
+  """The ``kind`` of block (:data:`jaxfuse.blocks.mlp.KINDS`) of ``x`` with ``params``
+  ``{projection: (kernel, bias)}``, keeping what ``recompute`` says.
+
+  ``settings``: ``activation``, ``precision`` and ``implementation``, as
+  :func:`jaxfuse.blocks.mlp.gated_mlp` and :func:`jaxfuse.blocks.mlp.mlp` take them.
+  """
+  check_recompute(recompute)
+  block: Callable = functools.partial(blocks.BLOCKS[kind], **settings)
+  if recompute is not None:
+    keep = ACTIVATION_KEEPS[kind] if recompute == "activation" else "nothing"
+    block = _recompute(block, policy=keep)
+  return block(x, *blocks.arguments(kind, params))
 
 
 def gated_mlp(x: jax.Array, gate_kernel: jax.Array, up_kernel: jax.Array,
@@ -42,17 +61,9 @@ def gated_mlp(x: jax.Array, gate_kernel: jax.Array, up_kernel: jax.Array,
               activation: str | Callable = "silu", recompute: str | None = "activation",
               precision=jax.lax.Precision.HIGHEST,
               implementation: str | None = None) -> jax.Array:
-  """``(act(x @ gate_kernel) * (x @ up_kernel)) @ down_kernel``, the LLaMA MLP (SwiGLU).
-
-  Args:
-    x: ``(..., in_features)``.
-    gate_kernel, up_kernel: ``(in_features, hidden_features)``.
-    down_kernel: ``(hidden_features, out_features)``.
-    gate_bias, up_bias, down_bias: optional biases of the projections' output sizes.
-    activation: the gate's activation, as :func:`jaxfuse.ops.glu` takes it.
-    recompute: what the backward keeps, see the module docstring.
-    precision: the matmuls' precision (HIGHEST: no TF32 for float32 on GPUs, as torch).
-    implementation: passed to :func:`jaxfuse.ops.glu`.
+  """``(act(x @ gate_kernel) * (x @ up_kernel)) @ down_kernel``, the LLaMA MLP (SwiGLU), keeping
+  what ``recompute`` says (see the module docstring); the other arguments are
+  :func:`jaxfuse.blocks.mlp.gated_mlp`'s.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -61,37 +72,19 @@ def gated_mlp(x: jax.Array, gate_kernel: jax.Array, up_kernel: jax.Array,
     >>> gated_mlp(x, wg, wu, wd).shape
     (4, 8)
   """
-
-  def block(x, gate_kernel, up_kernel, down_kernel, gate_bias, up_bias, down_bias):
-    # Under a mesh the hidden width is split (Megatron's column- then row-parallel MLP).
-    gate = checkpoint_name(constrain(dense(x, gate_kernel, gate_bias, precision=precision),
-                                     ..., "act_mlp"), names.MLP_GATE)
-    up = checkpoint_name(constrain(dense(x, up_kernel, up_bias, precision=precision),
-                                   ..., "act_mlp"), names.MLP_UP)
-    hidden = checkpoint_name(glu(gate, up, activation, implementation=implementation),
-                             names.MLP_HIDDEN)
-    return checkpoint_name(dense(hidden, down_kernel, down_bias, precision=precision),
-                           names.MLP_DOWN)
-
-  return _wrap(block, recompute, [names.MLP_GATE, names.MLP_UP])(
-      x, gate_kernel, up_kernel, down_kernel, gate_bias, up_bias, down_bias)
+  params = {"gate_proj": (gate_kernel, gate_bias), "up_proj": (up_kernel, up_bias),
+            "down_proj": (down_kernel, down_bias)}
+  return mlp_block(blocks.GATED, x, params, recompute=recompute, activation=activation,
+                   precision=precision, implementation=implementation)
 
 
 def mlp(x: jax.Array, up_kernel: jax.Array, up_bias: jax.Array, down_kernel: jax.Array,
         down_bias: jax.Array | None = None, *, activation: str | Callable = "gelu",
         recompute: str | None = "activation", precision=jax.lax.Precision.HIGHEST,
         implementation: str | None = None) -> jax.Array:
-  """``act(x @ up_kernel + up_bias) @ down_kernel + down_bias``, with the bias and activation
-  fused by :func:`jaxfuse.ops.bias_act`.
-
-  Args:
-    x: ``(..., in_features)``.
-    up_kernel: ``(in_features, hidden_features)``; up_bias: ``(hidden_features,)``.
-    down_kernel: ``(hidden_features, out_features)``; down_bias: ``(out_features,)`` or None.
-    activation: as :func:`jaxfuse.ops.bias_act` takes it.
-    recompute: what the backward keeps, see the module docstring.
-    precision: the matmuls' precision.
-    implementation: passed to :func:`jaxfuse.ops.bias_act`.
+  """``act(x @ up_kernel + up_bias) @ down_kernel + down_bias``, the bias and activation fused
+  by :func:`jaxfuse.ops.bias_act`, keeping what ``recompute`` says (see the module docstring);
+  the other arguments are :func:`jaxfuse.blocks.mlp.mlp`'s.
 
   Example:
     >>> import jax.numpy as jnp
@@ -100,12 +93,6 @@ def mlp(x: jax.Array, up_kernel: jax.Array, up_bias: jax.Array, down_kernel: jax
     >>> mlp(x, w1, b1, w2).shape
     (4, 8)
   """
-
-  def block(x, up_kernel, up_bias, down_kernel, down_bias):
-    pre = checkpoint_name(dense(x, up_kernel, None, precision=precision), names.MLP_PRE)
-    hidden = checkpoint_name(bias_act(pre, up_bias, activation, implementation=implementation),
-                             names.MLP_HIDDEN)
-    return checkpoint_name(dense(hidden, down_kernel, down_bias, precision=precision),
-                           names.MLP_DOWN)
-
-  return _wrap(block, recompute, [names.MLP_PRE])(x, up_kernel, up_bias, down_kernel, down_bias)
+  params = {"up_proj": (up_kernel, up_bias), "down_proj": (down_kernel, down_bias)}
+  return mlp_block(blocks.PLAIN, x, params, recompute=recompute, activation=activation,
+                   precision=precision, implementation=implementation)

@@ -1,0 +1,115 @@
+"""Decoding with a KV cache: the cache, one step of the decoder over it, and :func:`generate`.
+
+The cache holds, per layer, the keys and values ``[batch, max_len, kv_heads, head_dim]`` of the
+tokens fed so far, and their number ``length``. Each step computes keys and values for its own
+tokens only and attends over the cached ones and its own (:func:`attend_cached`); the prefix is
+never recomputed. :meth:`jaxfuse.models.Decoder.init_cache` and
+:meth:`jaxfuse.models.Decoder.decode` call these functions.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxfuse.ops.flash_attention import attention
+
+
+def init_cache(cfg, batch: int, max_len: int | None = None, dtype: Any = None) -> dict:
+  """An empty KV cache of a :class:`jaxfuse.models.DecoderConfig` for ``batch`` sequences of up
+  to ``max_len`` tokens (default ``cfg.max_seq_len``)."""
+  max_len = max_len or cfg.max_seq_len
+  dtype = dtype or cfg.dtype
+  shape = (batch, max_len, cfg.kv_heads, cfg.head_dim)
+  layers = [{"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+            for _ in range(cfg.num_layers)]
+  return {"layers": layers, "length": jnp.zeros((), jnp.int32)}
+
+
+def attend_cached(attn, x: jax.Array, positions: jax.Array, cache: dict,
+                  length: jax.Array) -> tuple[jax.Array, dict]:
+  """Attention of ``x`` (``t`` new tokens at ``positions``) over the cached keys and values
+  ``[0, length)`` and its own, by a :class:`jaxfuse.models.Attention` ``attn``; returns the
+  output and the layer's cache with the new keys and values written at ``length``."""
+  q, k, v = attn.heads(x, positions)
+  t = x.shape[-2]
+
+  def write(cached, new):
+    return jax.lax.dynamic_update_slice_in_dim(cached, new.astype(cached.dtype), length, axis=1)
+
+  keys, values = write(cache["k"], k), write(cache["v"], v)
+  kv_lengths = jnp.full(x.shape[:1], length + t, jnp.int32)
+  o = attention(q, keys.astype(q.dtype), values.astype(q.dtype), causal="bottom_right",
+                kv_lengths=kv_lengths, sliding_window=attn.cfg.sliding_window,
+                implementation=attn.implementation)
+  return attn.out(o), {"k": keys, "v": values}
+
+
+def decode_block(block, h: jax.Array, positions: jax.Array, cache: dict,
+                 length: jax.Array) -> tuple[jax.Array, dict]:
+  """A :class:`jaxfuse.models.Block` on the residual stream ``h`` of the new tokens, with its
+  attention over the layer's ``cache``; returns the stream and the updated layer cache."""
+  a, cache = block.self_attn.decode(block.input_layernorm(h), positions, cache, length)
+  h = h + a
+  return h + block.mlp(block.post_attention_layernorm(h)), cache
+
+
+def decode(model, tokens: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
+  """Feeds ``tokens [batch, t]`` to a :class:`jaxfuse.models.Decoder` after the cached ones;
+  returns the float32 logits of the last of them ``[batch, V]`` and the updated cache."""
+  length = cache["length"]
+  t = tokens.shape[-1]
+  positions = length + jnp.arange(t)
+  h = model.embed_tokens(tokens)
+  layers = []
+  for i, kv in enumerate(cache["layers"]):
+    h, kv = decode_block(model.layer(i), h, positions, kv, length)
+    layers.append(kv)
+  logits = model.logits_from_hidden(model.norm(h[:, -1:]))[:, 0]
+  return logits, {"layers": layers, "length": length + t}
+
+
+def generate(model, prompt: jax.Array, steps: int, key: jax.Array, *,
+             temperature: float = 1.0, max_len: int | None = None) -> jax.Array:
+  """Samples ``steps`` tokens after ``prompt [batch, t]`` with the KV cache; returns
+  ``[batch, t + steps]``. ``temperature=0`` takes the argmax.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from jaxfuse.models import Decoder, DecoderConfig, generate
+    >>> cfg = DecoderConfig(vocab_size=32, d_model=16, num_layers=1, num_heads=2, mlp_dim=32)
+    >>> model = Decoder(cfg, rngs=nnx.Rngs(0))
+    >>> generate(model, jnp.zeros((1, 3), jnp.int32), 5, jax.random.key(0)).shape
+    (1, 8)
+  """
+  batch, t = prompt.shape
+  max_len = max_len or t + steps
+  if t + steps > max_len:
+    raise ValueError(f"generate: prompt ({t}) + steps ({steps}) exceed max_len ({max_len})")
+  graphdef, state = nnx.split(model)
+
+  def pick(logits, key):
+    if temperature == 0:
+      return jnp.argmax(logits, axis=-1).astype(prompt.dtype)
+    return jax.random.categorical(key, logits / temperature).astype(prompt.dtype)
+
+  @jax.jit
+  def run(state, prompt, key):
+    m = nnx.merge(graphdef, state)
+    logits, cache = m.decode(prompt, m.init_cache(batch, max_len))
+    keys = jax.random.split(key, steps)
+
+    def step(carry, key):
+      logits, cache = carry
+      token = pick(logits, key)
+      logits, cache = m.decode(token[:, None], cache)
+      return (logits, cache), token
+
+    _, tokens = jax.lax.scan(step, (logits, cache), keys)
+    return jnp.concatenate([prompt, tokens.T], axis=1)
+
+  return run(state, prompt, key)
