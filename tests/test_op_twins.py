@@ -5,7 +5,9 @@ gradient of every differentiated argument (inputs and parameters).
   in interpret mode), by the suite's float32 rule;
 - bfloat16 and float16 at the weird shape: the error against the twin in float64 at most twice
   the twin's own error in the same dtype (FlashAttention's and Cut Cross-Entropy's rule);
-- float32 at the realistic shape of each op's first case, on XLA.
+- float32 at the realistic shape of each op's first case, on XLA;
+- each op's first case with Triton kernels, with ``implementation="triton"``, its kernels run
+  in Triton's interpreter (:mod:`jaxfuse.testing.triton_interpreter`), in float32.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 from tests import cases, helpers
 
 FIRST = {c.op: c for c in reversed(cases.CASES)}
+TRITON = {c.op: c for c in reversed(cases.CASES) if c.runs_on("triton")}
 
 
 def _implementations(case: cases.Case) -> list[str]:
@@ -64,13 +67,7 @@ def test_float32_matches_the_torch_twin(case, impl, dtype, pallas_mode):
   del dtype
   args = case.inputs()
   outs, grads = jax_values_and_grads(case, args, impl)
-  cts = cases.cotangents(outs if len(outs) > 1 else outs[0])
-  t_outs, t_grads = torch_values_and_grads(case, args, cts)
-  assert len(outs) == len(t_outs)
-  for i, (got, want) in enumerate(zip(outs, t_outs)):
-    helpers.assert_close(got, want, what=f"{case.id} {impl} output {i}")
-  for i, got, want in zip(case.diff_args, grads, t_grads):
-    helpers.assert_close(got, want, what=f"{case.id} {impl} grad of arg {i}")
+  _assert_matches_twin(case, args, outs, grads, impl)
 
 
 @pytest.mark.parametrize("case,impl,dtype", _params(("bfloat16", "float16")))
@@ -92,9 +89,26 @@ def test_low_precision_within_twice_the_twins_error(case, impl, dtype, pallas_mo
 def test_realistic_shape_matches_the_torch_twin_on_xla(case):
   args = case.inputs(case.shapes)
   outs, grads = jax_values_and_grads(case, args, "xla")
+  _assert_matches_twin(case, args, outs, grads, "xla realistic")
+
+
+def _assert_matches_twin(case, args, outs, grads, what):
   cts = cases.cotangents(outs if len(outs) > 1 else outs[0])
   t_outs, t_grads = torch_values_and_grads(case, args, cts)
+  assert len(outs) == len(t_outs)
   for i, (got, want) in enumerate(zip(outs, t_outs)):
-    helpers.assert_close(got, want, what=f"{case.id} output {i}")
+    helpers.assert_close(got, want, what=f"{case.id} {what} output {i}")
   for i, got, want in zip(case.diff_args, grads, t_grads):
-    helpers.assert_close(got, want, what=f"{case.id} grad of arg {i}")
+    helpers.assert_close(got, want, what=f"{case.id} {what} grad of arg {i}")
+
+
+@pytest.mark.parametrize("case", list(TRITON.values()), ids=list(TRITON))
+def test_triton_kernels_in_the_interpreter_match_the_torch_twin(case, monkeypatch):
+  pytest.importorskip("triton")
+  from jaxfuse.testing import triton_interpreter
+
+  args = case.inputs()
+  with triton_interpreter.triton_ops(monkeypatch) as launches:
+    outs, grads = jax_values_and_grads(case, args, "triton")
+  assert launches, f"{case.id}: no Triton kernel ran"
+  _assert_matches_twin(case, args, outs, grads, "triton")

@@ -210,6 +210,43 @@ class Config:
     return (xla or twin)(*args)
 
 
+def recomputing_vjp(forward: Callable, backward: Callable, *, barrier: bool = False):
+  """The ``custom_vjp`` of an op that keeps only its inputs for the backward pass and
+  recomputes everything else there (the fused elementwise ops, the seed's linear layer).
+
+  ``forward(cfg, *arrays)`` computes the op; ``backward(cfg, *arrays, g)`` returns one
+  gradient per array (None where there is none). The result is called ``op(cfg, *arrays)``;
+  its arrays agree on the mesh axes they vary over (:class:`partitioning.matching_vma`). With
+  ``barrier``, the backward reads the inputs through an optimization barrier, so that XLA
+  cannot reuse values of the forward pass in place of the recomputation. Plain ``defvjp``:
+  ``optimize_remat=True`` breaks reverse over reverse.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jaxfuse.ops import base
+    >>> square = base.recomputing_vjp(lambda cfg, x: x * x, lambda cfg, x, g: (2 * x * g,))
+    >>> jax.grad(lambda x: square(None, x).sum())(jnp.arange(3.0))
+    Array([0., 2., 4.], dtype=float32)
+  """
+
+  @partitioning.matching_vma
+  @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+  def op(cfg, *arrays):
+    return forward(cfg, *arrays)
+
+  def fwd(cfg, *arrays):
+    # Residuals: the inputs only.
+    return forward(cfg, *arrays), arrays
+
+  def bwd(cfg, arrays, g):
+    if barrier:
+      arrays = jax.lax.optimization_barrier(arrays)
+    return tuple(backward(cfg, *arrays, g))
+
+  op.defvjp(fwd, bwd)
+  return op
+
+
 def compute_dtype(dtype) -> jnp.dtype:
   """The dtype ops compute in: float32 for bfloat16/float16 inputs, the input's otherwise."""
   return jnp.promote_types(dtype, jnp.float32)

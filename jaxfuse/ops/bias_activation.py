@@ -8,7 +8,6 @@ computed in float32 and rounded once; the bias gradient is accumulated in float3
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable
 
@@ -28,9 +27,7 @@ def bias_act_reference(x: jax.Array, bias: jax.Array, activation: str | Callable
                        act: str | Callable | None = None) -> jax.Array:
   """Plain-jnp ``activation(x + bias)``, computed in float32 for low-precision inputs."""
   activation = checks.renamed("bias_act_reference", "act", "activation", act, activation)
-  fn = activations.get(activation, op="bias_act_reference")
-  cd = base.compute_dtype(x.dtype)
-  return fn(x.astype(cd) + bias.astype(cd)).astype(x.dtype)
+  return activations.of_sum(activation, x, bias, op="bias_act_reference")
 
 
 # Checks -----------------------------------------------------------------------------------------
@@ -44,17 +41,6 @@ def _check(op, x, bias):
     raise ValueError(f"{op}: x must have rank >= 1 (features last), got shape ()")
   checks.rank(op, "bias", bias, 1)
   checks.dim(op, "bias", bias, 0, x.shape[-1], "the last axis of x")
-
-
-@dataclasses.dataclass(frozen=True)
-class _Config(base.Config):
-  activation: str | Callable   # its name when it has one (the Triton kernels take names only)
-
-
-def _config(activation, implementation) -> _Config:
-  activation = activations.canonical(activation, op=BIAS_ACT.name)
-  return BIAS_ACT.config(implementation, _Config, facts={"activation": activation},
-                         activation=activation)
 
 
 # The op -----------------------------------------------------------------------------------------
@@ -88,9 +74,9 @@ def bias_act(x: jax.Array, bias: jax.Array, activation: str | Callable = "gelu",
   """
   activation = checks.renamed(BIAS_ACT.name, "act", "activation", act, activation)
   _check(BIAS_ACT.name, x, bias)
-  cfg = _config(activation, implementation)
-  with jax.named_scope(f"jaxfuse.bias_act[{activations.name_of(cfg.activation) or 'fn'}]"):
-    return _bias_act(x, bias, cfg)
+  cfg = activations.config(BIAS_ACT, activation, implementation)
+  with jax.named_scope(activations.scope(BIAS_ACT, cfg)):
+    return _bias_act(cfg, x, bias)
 
 
 # Forward and backward ---------------------------------------------------------------------------
@@ -142,20 +128,6 @@ def _backward(x, bias, g, cfg):
 # The custom VJP ---------------------------------------------------------------------------------
 
 
-@partitioning.matching_vma
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _bias_act(x, bias, cfg):
-  return _forward(x, bias, cfg)
-
-
-def _bias_act_fwd(x, bias, cfg):
-  # Residuals: the inputs only; x + bias and the activation are recomputed in the backward.
-  return _forward(x, bias, cfg), (x, bias)
-
-
-def _bias_act_bwd(cfg, residuals, g):
-  x, bias = residuals
-  return _backward(x, bias, g, cfg)
-
-
-_bias_act.defvjp(_bias_act_fwd, _bias_act_bwd)
+# Residuals: the inputs only; x + bias and the activation are recomputed in the backward.
+_bias_act = base.recomputing_vjp(lambda cfg, x, bias: _forward(x, bias, cfg),
+                                 lambda cfg, x, bias, g: _backward(x, bias, g, cfg))

@@ -39,14 +39,19 @@ class ImplementationUnavailableError(RuntimeError):
 
 
 @contextlib.contextmanager
-def pallas_interpret(enabled: bool = True) -> Iterator[None]:
-  """Runs Pallas kernels traced inside this context in interpret mode (for tests on CPU)."""
-  previous = getattr(_state, "interpret", None)
-  _state.interpret = enabled
+def _setting(name: str, value) -> Iterator[None]:
+  """This thread's setting ``name`` is ``value`` inside the block."""
+  previous = getattr(_state, name, None)
+  setattr(_state, name, value)
   try:
     yield
   finally:
-    _state.interpret = previous
+    setattr(_state, name, previous)
+
+
+def pallas_interpret(enabled: bool = True):
+  """Runs Pallas kernels traced inside this context in interpret mode (for tests on CPU)."""
+  return _setting("interpret", enabled)
 
 
 def interpret_enabled() -> bool:
@@ -57,8 +62,7 @@ def interpret_enabled() -> bool:
   return os.environ.get("JAXFUSE_PALLAS_INTERPRET", "0").lower() in ("1", "true", "yes")
 
 
-@contextlib.contextmanager
-def target_platform(name: str) -> Iterator[None]:
+def target_platform(name: str):
   """Traces ops as if running on ``name`` (``"gpu"``), to lower GPU kernels on a CPU machine.
 
   Example (what the lowering tests do)::
@@ -66,12 +70,7 @@ def target_platform(name: str) -> Iterator[None]:
       with target_platform("gpu"):
         jax.jit(f).trace(x).lower(lowering_platforms=("cuda",))
   """
-  previous = getattr(_state, "platform", None)
-  _state.platform = name
-  try:
-    yield
-  finally:
-    _state.platform = previous
+  return _setting("platform", name)
 
 
 def platform() -> str:
@@ -121,7 +120,8 @@ def _always() -> bool:
 
 
 def _jax_triton() -> bool:
-  # Looked up at call time, so that tests can stand jax-triton in (tests/triton_interpreter.py).
+  # Looked up at call time, so that tests can stand jax-triton in
+  # (jaxfuse/testing/triton_interpreter.py).
   return jax_triton_importable()
 
 

@@ -8,7 +8,6 @@ beyond the inputs stays alive between the passes.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable
 
@@ -29,9 +28,7 @@ def add_act_reference(a: jax.Array, b: jax.Array, activation: str | Callable = "
                       fn: str | Callable | None = None) -> jax.Array:
   """Plain-jnp ``activation(a + b)``, computed in float32 for low-precision inputs."""
   activation = checks.renamed("add_act_reference", "fn", "activation", fn, activation)
-  act = activations.get(activation, op="add_act_reference")
-  cd = base.compute_dtype(a.dtype)
-  return act(a.astype(cd) + b.astype(cd)).astype(a.dtype)
+  return activations.of_sum(activation, a, b, op="add_act_reference")
 
 
 # Checks -----------------------------------------------------------------------------------------
@@ -44,19 +41,12 @@ def _check(op, a, b):
   checks.same_dtype(op, ("a", "b"), (a, b))
 
 
-@dataclasses.dataclass(frozen=True)
-class _Config(base.Config):
-  activation: str | Callable   # its name when it has one (the Triton kernels take names only)
-
-
-def _config(op: base.Op, activation, implementation) -> _Config:
-  activation = activations.canonical(activation, op=op.name)
-  return op.config(implementation, _Config, facts={"activation": activation},
-                   activation=activation)
-
-
-def _scope(op: base.Op, cfg: _Config) -> str:
-  return f"jaxfuse.{op.name}[{activations.name_of(cfg.activation) or 'fn'}]"
+def _prepare(op: base.Op, a, b, activation, fn, implementation) -> tuple:
+  """The checked call's config, and its named scope."""
+  activation = checks.renamed(op.name, "fn", "activation", fn, activation)
+  _check(op.name, a, b)
+  cfg = activations.config(op, activation, implementation)
+  return cfg, activations.scope(op, cfg)
 
 
 # The op -----------------------------------------------------------------------------------------
@@ -86,11 +76,9 @@ def add_act(a: jax.Array, b: jax.Array, activation: str | Callable = "relu", *,
     >>> add_act(jnp.array([1.0, -2.0]), jnp.array([0.5, 1.0]), "relu")
     Array([1.5, 0. ], dtype=float32)
   """
-  activation = checks.renamed(ADD_ACT.name, "fn", "activation", fn, activation)
-  _check(ADD_ACT.name, a, b)
-  cfg = _config(ADD_ACT, activation, implementation)
-  with jax.named_scope(_scope(ADD_ACT, cfg)):
-    return _add_act(a, b, cfg)
+  cfg, scope = _prepare(ADD_ACT, a, b, activation, fn, implementation)
+  with jax.named_scope(scope):
+    return _add_act(cfg, a, b)
 
 
 # Forward and backward ---------------------------------------------------------------------------
@@ -127,27 +115,17 @@ def _backward(a, b, g, cfg):
 # The custom VJP ---------------------------------------------------------------------------------
 
 
-@partitioning.matching_vma
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _add_act(a, b, cfg):
-  return _forward(a, b, cfg)
-
-
-def _add_act_fwd(a, b, cfg):
-  # Residuals: the inputs only. a + b is recomputed in the backward kernel.
-  return _forward(a, b, cfg), (a, b)
-
-
-def _add_act_bwd(cfg, residuals, g):
-  # The barrier keeps XLA from merging the recomputed a + b (and fn's intermediates) with the
-  # forward's: merged, XLA:CPU materializes the shared intermediates (19 arrays of traffic
-  # instead of 11 for gelu, measured).
-  a, b = jax.lax.optimization_barrier(residuals)
+def _add_act_backward(cfg, a, b, g):
   da = _backward(a, b, g, cfg)
   return da, da
 
 
-_add_act.defvjp(_add_act_fwd, _add_act_bwd)
+# Residuals: the inputs only; a + b is recomputed in the backward kernel, behind a barrier that
+# keeps XLA from merging it (and the activation's intermediates) with the forward's: merged,
+# XLA:CPU materializes the shared intermediates (19 arrays of traffic instead of 11 for gelu,
+# measured).
+_add_act = base.recomputing_vjp(lambda cfg, a, b: _forward(a, b, cfg), _add_act_backward,
+                                barrier=True)
 
 
 # The unfused chain ------------------------------------------------------------------------------
@@ -169,11 +147,9 @@ def add_act_unfused(a: jax.Array, b: jax.Array, activation: str | Callable = "re
     >>> add_act_unfused(jnp.array([1.0, -2.0]), jnp.array([0.5, 1.0]), "relu")
     Array([1.5, 0. ], dtype=float32)
   """
-  activation = checks.renamed(ADD_ACT_UNFUSED.name, "fn", "activation", fn, activation)
-  _check(ADD_ACT_UNFUSED.name, a, b)
-  cfg = _config(ADD_ACT_UNFUSED, activation, implementation)
-  with jax.named_scope(_scope(ADD_ACT_UNFUSED, cfg)):
-    return _act(_add(a, b, cfg), cfg)
+  cfg, scope = _prepare(ADD_ACT_UNFUSED, a, b, activation, fn, implementation)
+  with jax.named_scope(scope):
+    return _act(cfg, _add(a, b, cfg))
 
 
 def _xla_add(a, b):
@@ -224,24 +200,14 @@ def _act_forward(c, cfg):
   return cfg.run("act_forward", twin, c, rule=_elementwise(1, c), activation=cfg.activation)
 
 
-@partitioning.matching_vma
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _act(c, cfg):
-  return _act_forward(c, cfg)
-
-
-def _act_fwd(c, cfg):
-  # Residual: the sum c, written by the add kernel and kept, as a two-kernel chain does.
-  return _act_forward(c, cfg), c
-
-
-def _act_bwd(cfg, c, g):
+def _act_backward(cfg, c, g):
   twin = functools.partial(_xla_act_backward, activation=cfg.activation)
   return (cfg.run("act_backward", twin, c, g, rule=_elementwise(2, c),
                   activation=cfg.activation),)
 
 
-_act.defvjp(_act_fwd, _act_bwd)
+# Residual: the sum c, written by the add kernel and kept, as a two-kernel chain does.
+_act = base.recomputing_vjp(lambda cfg, c: _act_forward(c, cfg), _act_backward)
 
 
 # relu that keeps its output ---------------------------------------------------------------------
@@ -261,7 +227,7 @@ def relu(x: jax.Array, *, implementation: str | None = None) -> jax.Array:
     Array([0., 2.], dtype=float32)
   """
   checks.floating(RELU.name, "x", x)
-  return _relu(x, _config(RELU, "relu", implementation))
+  return _relu(x, activations.config(RELU, "relu", implementation))
 
 
 def _xla_relu(x):

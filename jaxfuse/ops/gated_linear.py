@@ -8,7 +8,6 @@ backward recomputes ``act(a)`` from the inputs and writes ``da = g * b * act'(a)
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable
 
@@ -60,17 +59,6 @@ def _check(op, a, b):
     raise ValueError(f"{op}: a must have rank >= 1, got shape ()")
 
 
-@dataclasses.dataclass(frozen=True)
-class _Config(base.Config):
-  activation: str | Callable   # its name when it has one (the Triton kernels take names only)
-
-
-def _config(activation, implementation) -> _Config:
-  activation = activations.canonical(activation, op=GLU.name)
-  return GLU.config(implementation, _Config, facts={"activation": activation},
-                    activation=activation)
-
-
 # The op -----------------------------------------------------------------------------------------
 
 
@@ -114,11 +102,11 @@ def glu(a: jax.Array, b: jax.Array | str | Callable | None = None,
   if isinstance(b, str) or callable(b):
     activation, b = b, None
   _check(GLU.name, a, b)
-  cfg = _config(activation, implementation)
-  with jax.named_scope(f"jaxfuse.glu[{activations.name_of(cfg.activation) or 'fn'}]"):
+  cfg = activations.config(GLU, activation, implementation)
+  with jax.named_scope(activations.scope(GLU, cfg)):
     if b is None:
-      return _glu_packed(a, cfg)
-    return _glu(a, b, cfg)
+      return _glu_packed(cfg, a)
+    return _glu(cfg, a, b)
 
 
 # Forward and backward ---------------------------------------------------------------------------
@@ -180,38 +168,8 @@ def _backward(a, b, g, cfg):
 # The custom VJPs --------------------------------------------------------------------------------
 
 
-@partitioning.matching_vma
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _glu(a, b, cfg):
-  return _forward(a, b, cfg)
-
-
-def _glu_fwd(a, b, cfg):
-  # Residuals: the inputs only; act(a) is recomputed in the backward.
-  return _forward(a, b, cfg), (a, b)
-
-
-def _glu_bwd(cfg, residuals, g):
-  a, b = residuals
-  return _backward(a, b, g, cfg)
-
-
-_glu.defvjp(_glu_fwd, _glu_bwd)
-
-
-@partitioning.matching_vma
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _glu_packed(x, cfg):
-  return _forward(x, None, cfg)
-
-
-def _glu_packed_fwd(x, cfg):
-  # Residual: the input only.
-  return _forward(x, None, cfg), x
-
-
-def _glu_packed_bwd(cfg, x, g):
-  return (_backward(x, None, g, cfg),)
-
-
-_glu_packed.defvjp(_glu_packed_fwd, _glu_packed_bwd)
+# Residuals: the inputs only; activation(a) is recomputed in the backward.
+_glu = base.recomputing_vjp(lambda cfg, a, b: _forward(a, b, cfg),
+                            lambda cfg, a, b, g: _backward(a, b, g, cfg))
+_glu_packed = base.recomputing_vjp(lambda cfg, x: _forward(x, None, cfg),
+                                   lambda cfg, x, g: (_backward(x, None, g, cfg),))

@@ -194,7 +194,7 @@ def recompute_linear(x: jax.Array, weight: jax.Array, bias: jax.Array | None = N
   _check(RECOMPUTE_LINEAR.name, x, weight, bias)
   cfg = RECOMPUTE_LINEAR.config(implementation)
   with jax.named_scope("jaxfuse.recompute_linear"):
-    return _recompute_linear(x, weight, bias, cfg)
+    return _recompute_linear(cfg, x, weight, bias)
 
 
 def _xla_backward(x, weight, bias, g):
@@ -237,21 +237,8 @@ def _backward(x, weight, bias, g, cfg):
                  rule=_rule(x, bias, backward=True))
 
 
-@partitioning.matching_vma
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _recompute_linear(x, weight, bias, cfg):
-  return _forward(x, weight, bias, cfg)
-
-
-def _recompute_linear_fwd(x, weight, bias, cfg):
-  # Residuals: the inputs only; the layer is recomputed from them in the backward.
-  return _forward(x, weight, bias, cfg), (x, weight, bias)
-
-
-def _recompute_linear_bwd(cfg, residuals, g):
-  # The barrier keeps XLA from reusing forward values in place of the recomputation.
-  x, weight, bias = jax.lax.optimization_barrier(residuals)
-  return _backward(x, weight, bias, g, cfg)
-
-
-_recompute_linear.defvjp(_recompute_linear_fwd, _recompute_linear_bwd)
+# Residuals: the inputs only; the layer is recomputed from them in the backward, behind a barrier
+# that keeps XLA from reusing forward values in place of the recomputation.
+_recompute_linear = base.recomputing_vjp(
+    lambda cfg, x, weight, bias: _forward(x, weight, bias, cfg),
+    lambda cfg, x, weight, bias, g: _backward(x, weight, bias, g, cfg), barrier=True)
