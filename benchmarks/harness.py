@@ -1,11 +1,12 @@
-"""What every suite shares: conversions between JAX and torch, the forward + backward steps
-of both, error figures, residual and compiled-memory figures, interleaved timing, ratios, the
-table and a plot."""
+"""What every suite shares: jaxfuse's rows of an op (from its registry entry), conversions
+between JAX and torch, the forward + backward steps of both, error figures, residual and
+compiled-memory figures, interleaved timing, ratios, the table and a plot."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
@@ -14,9 +15,64 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import records as rec
+import jaxfuse.ops  # noqa: F401 - declares every op in the registry
 from jaxfuse import metrics
 from jaxfuse.metrics import timing
-from jaxfuse.ops import dispatch
+from jaxfuse.ops import base, dispatch
+
+
+# jaxfuse's rows ---------------------------------------------------------------------------------
+
+
+def jaxfuse_row(implementation: str) -> str:
+  """The name of the row of jaxfuse's ``implementation``: ``jaxfuse-<implementation>``."""
+  return f"jaxfuse-{implementation}"
+
+
+def kind(row: str) -> dispatch.Kind | None:
+  """The kind of implementation (:data:`jaxfuse.ops.dispatch.KINDS`) a ``jaxfuse-<impl>`` row
+  runs; None for every other row (peers, and jaxfuse rows named otherwise, such as
+  ``jaxfuse-unfused`` or ``jaxfuse-xla[grad_in_forward]``)."""
+  return dispatch.KINDS.get(row.removeprefix("jaxfuse-")) if row.startswith("jaxfuse-") else None
+
+
+def runs(implementation: str) -> bool:
+  """Whether jaxfuse's ``implementation`` runs here: natively, or, for a kind that interprets,
+  in Pallas' interpret mode (its errors, not its time)."""
+  return dispatch.runs_natively(implementation) or dispatch.KINDS[implementation].interpretable
+
+
+def kernel_kind(row: str) -> dispatch.Kind | None:
+  """The kind of a row that runs jaxfuse's kernels (Pallas, Triton: a kind with a kernel
+  package); None for every other row, XLA's included."""
+  row_kind = kind(row)
+  return row_kind if row_kind is not None and row_kind.package is not None else None
+
+
+def jaxfuse_rows(op_name: str, call: Callable, *, keep: Callable[[str], bool] | None = None,
+                 kernels_only: bool = False) -> dict[str, Callable]:
+  """A row for each implementation the op has (its registry entry, ``base.REGISTRY``).
+
+  Args:
+    op_name: the op's name in the registry (``"rms_norm"``).
+    call: ``call(*arrays, implementation=...)`` runs the op.
+    keep: which implementations get a row (default: all); e.g. ``ctx.native`` for the ones
+      that compile here, or :func:`runs` to add those that run in Pallas' interpret mode.
+    kernels_only: only its kernel implementations (Pallas, Triton), not XLA.
+
+  Returns:
+    ``{"jaxfuse-<impl>": functools.partial(call, implementation=impl)}``, in the registry's
+    order (the kernel kinds, then XLA).
+
+  Example:
+    >>> from jaxfuse import ops
+    >>> list(jaxfuse_rows("softmax", ops.softmax))
+    ['jaxfuse-pallas', 'jaxfuse-triton', 'jaxfuse-xla']
+  """
+  op = base.REGISTRY[op_name]
+  return {jaxfuse_row(impl): functools.partial(call, implementation=impl)
+          for impl in (op.kinds if kernels_only else op.implementations)
+          if keep is None or keep(impl)}
 
 
 # JAX <-> torch ----------------------------------------------------------------------------------
@@ -313,6 +369,17 @@ class Context:
   def native(self, implementation: str) -> bool:
     """Whether jaxfuse's ``implementation`` compiles here (so its time means something)."""
     return dispatch.runs_natively(implementation)
+
+  def interpreted(self, row: str) -> bool:
+    """Whether a row's kernels run (or are traced) here in Pallas' interpret mode: a row of a
+    kind that interprets, which does not compile here."""
+    row_kind = kind(row)
+    return row_kind is not None and row_kind.interpretable and not self.native(row_kind.name)
+
+  def tracing(self, row: str):
+    """A context in which a row's function is traced as it runs here: in Pallas' interpret
+    mode where :meth:`interpreted` (to trace its residuals; nothing runs)."""
+    return dispatch.pallas_interpret(self.interpreted(row))
 
   # Progress -------------------------------------------------------------------------------------
 

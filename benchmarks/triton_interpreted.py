@@ -42,6 +42,8 @@ BYTES_SOURCE = ("kernel loads/stores counted under Triton's interpreter "
                 "at {where}")
 NOTE = "CPU: no time (needs a GPU); errors and bytes_moved from Triton's interpreter at {where}"
 RESIDUAL_SUFFIX = " (traced for a GPU, through a stand-in jax_triton: nothing runs)"
+# The implementation (``dispatch.KINDS``) whose kernels this module runs.
+IMPLEMENTATION = "triton"
 
 
 def _interpret_unless_gpu() -> None:
@@ -76,6 +78,13 @@ def available() -> bool:
 
   # Loaded before TRITON_INTERPRET was set, triton's own functions are compiled-only.
   return isinstance(tl.sum, InterpretedFunction)
+
+
+def has_row(implementation: str) -> bool:
+  """Whether a suite lists ``implementation``'s row where it does not compile, for what Triton's
+  interpreter gives: the Triton kernels, where the triton package is installed (each figure
+  says why it is null where the interpreter does not run: see :func:`available`)."""
+  return implementation == IMPLEMENTATION and importlib.util.find_spec("triton") is not None
 
 
 def run_step(f: Callable, args: Sequence, cts=None, **step_options):

@@ -229,6 +229,38 @@ def test_time_source_names_the_rounds():
       "median of 9 interleaved rounds")
 
 
+# jaxfuse's rows ---------------------------------------------------------------------------------
+
+
+def test_jaxfuse_rows_come_from_the_registry():
+  from jaxfuse.ops import base, dispatch
+
+  which = lambda *args, implementation: implementation  # noqa: E731
+  for name, op in base.REGISTRY.items():
+    rows = harness.jaxfuse_rows(name, which)
+    assert list(rows) == [f"jaxfuse-{impl}" for impl in op.implementations], name
+    assert [row() for row in rows.values()] == list(op.implementations)
+    assert [harness.kind(row).name for row in rows] == list(op.implementations)
+    kernels = harness.jaxfuse_rows(name, which, kernels_only=True)
+    assert [harness.kernel_kind(row).name for row in kernels] == list(op.kinds)
+  running = harness.jaxfuse_rows("softmax", which, keep=harness.runs)
+  assert set(running) == {f"jaxfuse-{impl}" for impl in dispatch.KINDS
+                          if dispatch.runs_natively(impl) or dispatch.KINDS[impl].interpretable}
+  for row in ("jaxfuse-unfused", "jaxfuse-xla[grad_in_forward]", "torch-eager", "jax-unfused"):
+    assert harness.kind(row) is None and harness.kernel_kind(row) is None
+  assert harness.kind("jaxfuse-xla").name == "xla" and harness.kernel_kind("jaxfuse-xla") is None
+
+
+def test_rows_are_traced_in_interpret_mode_where_their_kernels_do_not_compile():
+  from jaxfuse.ops import dispatch
+
+  ctx = harness.Context(suite="seed")
+  assert ctx.interpreted("jaxfuse-pallas") == (not ctx.native("pallas"))
+  assert not ctx.interpreted("jaxfuse-xla") and not ctx.interpreted("torch-eager")
+  with ctx.tracing("jaxfuse-pallas"):
+    assert dispatch.interpret_enabled() == ctx.interpreted("jaxfuse-pallas")
+
+
 # The seed suite ---------------------------------------------------------------------------------
 
 

@@ -153,6 +153,19 @@ def test_spills_are_noted_with_their_reason():
       "spills 28 B stored + 28 B loaded a thread")
 
 
+def test_kernel_sets_come_from_the_registry():
+  """The report's kernel implementations of an op are its registry entry's, and every kernel
+  kind has a way to find its kernels."""
+  from benchmarks.suites import kernels as suite
+  from jaxfuse.ops import base, dispatch
+
+  assert set(kr.FINDERS) == {name for name, kind in dispatch.KINDS.items() if kind.package}
+  for name, op in base.REGISTRY.items():
+    assert suite.implementations(name) == op.kinds, name
+  with pytest.raises(ValueError, match="kernels_of: implementation must be one of"):
+    kr.kernels_of("xla", lambda: None)
+
+
 def test_occupancy_and_limits():
   source = kr.KernelSource(name="k", kind="pallas", num_warps=8, num_stages=2, grid=(1, 1, 1))
 

@@ -113,16 +113,15 @@ def _errors(got, want):
 SLOW_PEERS = ("jax-unfused", "jax-nn", "tokamax-xla", "tokamax-xla_chunked")
 
 
+def _attention(q, k, v, *, implementation):
+  return attention(q, k, v, causal=True, implementation=implementation)
+
+
 def _candidates(ctx: Context, t: int):
-  """name -> (differentiable fn of q, k, v, note) for the JAX implementations at length t."""
-  out = {}
-  out["jaxfuse-xla"] = (lambda q, k, v: attention(q, k, v, causal=True, implementation="xla"),
-                        None)
-  if ctx.native("pallas"):
-    out["jaxfuse-pallas"] = (
-        lambda q, k, v: attention(q, k, v, causal=True, implementation="pallas"), None)
-  if ctx.native("triton"):
-    out["jaxfuse-triton"] = (_triton_attention, None)
+  """name -> (differentiable fn of q, k, v, note) for the JAX implementations at length t:
+  jaxfuse's that compile here, then the peers."""
+  out = {name: (fn, None)
+         for name, fn in harness.jaxfuse_rows("attention", _attention, keep=ctx.native).items()}
   dense = t <= DENSE_MAX_T
   if dense:
     out["jax-unfused"] = (lambda q, k, v: attention_reference(q, k, v, causal=True),
@@ -165,33 +164,45 @@ def _skipped_notes(t: int) -> list[tuple[str, str]]:
   return notes
 
 
-def _pallas_cpu_errors() -> tuple[float | None, float | None, bool | None, str]:
-  """Errors of the Pallas kernels in interpret mode at a small shape, against torch."""
+def _pallas_cpu_errors(fn) -> tuple[float | None, float | None, bool | None, str]:
+  """Errors of the Pallas kernels (``fn``) in interpret mode at a small shape, against
+  torch."""
   t, heads = SMALL_PALLAS["t"], SMALL_PALLAS["heads"]
   q, k, v, g = _inputs(t, heads, jnp.float32, seed=1)
   with jaxfuse.pallas_interpret():
-    got = harness.jax_step(_pallas_attention)((q, k, v), g)
+    got = harness.jax_step(fn)((q, k, v), g)
   want = _Torch(q, k, v, g).results()
   out_err, grad_err, within = _errors(got, want)
   return out_err, grad_err, within, f"interpret mode at T={t} H={heads}"
 
 
-def _pallas_attention(q, k, v):
-  return attention(q, k, v, causal=True, implementation="pallas")
-
-
-def _triton_attention(q, k, v):
-  return attention(q, k, v, causal=True, implementation="triton")
-
-
-def _triton_cpu_figures():
+def _triton_cpu_figures(fn):
   """Errors (and whether within the float32 tolerance), bytes moved and where, of the op with
-  its Triton kernels in Triton's interpreter at the small shape, against torch."""
+  its Triton kernels (``fn``) in Triton's interpreter at the small shape, against torch."""
   t, heads = SMALL_PALLAS["t"], SMALL_PALLAS["heads"]
   q, k, v, g = _inputs(t, heads, jnp.float32, seed=1)
-  got, traffic = triton_interpreted.run_step(_triton_attention, (q, k, v), g)
+  got, traffic = triton_interpreted.run_step(fn, (q, k, v), g)
   out_err, grad_err, within = _errors(got, _Torch(q, k, v, g).results())
   return out_err, grad_err, within, traffic.bytes, f"T={t} H={heads}"
+
+
+def _interpreted(ctx: Context) -> dict[str, tuple[object, tuple | None]]:
+  """jaxfuse's kernel rows that do not compile here: row -> (fn, its figures at the small
+  shape), from Pallas' interpret mode (a kind that interprets) or Triton's interpreter (None
+  where it does not run here)."""
+  out = {}
+  rows = harness.jaxfuse_rows("attention", _attention, kernels_only=True,
+                              keep=lambda impl: not ctx.native(impl))
+  for name, fn in rows.items():
+    if harness.kernel_kind(name).interpretable:
+      ctx.step("pallas kernels in interpret mode (errors only)")
+      out[name] = (fn, _pallas_cpu_errors(fn))
+    elif triton_interpreted.available():
+      ctx.step("triton kernels in Triton's interpreter (errors and bytes moved)")
+      out[name] = (fn, _triton_cpu_figures(fn))
+    else:
+      out[name] = (fn, None)
+  return out
 
 
 def _failure(e: Exception) -> str:
@@ -203,14 +214,7 @@ def run(ctx: Context) -> list[Record]:
   dtype = jnp.bfloat16 if on_gpu else jnp.float32
   dtype_name = jnp.dtype(dtype).name
   records: list[Record] = []
-  pallas_small = None
-  if not ctx.native("pallas"):
-    ctx.step("pallas kernels in interpret mode (errors only)")
-    pallas_small = _pallas_cpu_errors()
-  triton_small = None
-  if not ctx.native("triton") and triton_interpreted.available():
-    ctx.step("triton kernels in Triton's interpreter (errors and bytes moved)")
-    triton_small = _triton_cpu_figures()
+  interpreted = _interpreted(ctx)
 
   for t in (QUICK_LENGTHS if ctx.quick else FULL_LENGTHS):
     case = f"causal T={t} H={HEADS} D={HEAD_DIM}"
@@ -260,38 +264,38 @@ def run(ctx: Context) -> list[Record]:
                      f"atol={FP32_ATOL:g} of torch")
       r = rows[name] = record(name, kept, note="; ".join(notes) or None)
       harness.set_errors(r, (out_err, grad_err), error_source)
-      if name == "jaxfuse-pallas":
+      kind = harness.kernel_kind(name)
+      if kind is not None and kind.interpretable:
         r.set("bytes_moved", harness.step_bytes_moved(fn, args, g), rec.KERNEL_BYTES_SOURCE)
-      elif name == "jaxfuse-triton":
+      elif kind is not None:  # the Triton kernels
         r.add_note("bytes_moved null: Triton compiles here (no interpreter to count in)")
       steps[name] = step
       timers[name] = lambda step=step: step(args, g)
 
-    if pallas_small is not None:
-      out_err, grad_err, within, where = pallas_small
-      with jaxfuse.pallas_interpret():  # traced, never run
-        kept = harness.residual_bytes(_pallas_attention, args)
-      moved = harness.step_bytes_moved(_pallas_attention, args, g)
-      r = record("jaxfuse-pallas", kept, f"{rec.JAX_RESIDUAL_SOURCE} (traced in interpret mode)",
-                 note=(f"not timed: no GPU, Pallas runs only in interpret mode here; errors from "
-                       f"{where} (grads {'within' if within else 'NOT within'} "
-                       f"rtol={FP32_RTOL:g} atol={FP32_ATOL:g})"))
-      r.set("bytes_moved", moved, rec.KERNEL_BYTES_SOURCE)
-      harness.set_errors(r, (out_err, grad_err), f"Pallas {where} against {REFERENCE}")
-    if triton_small is not None:
-      out_err, grad_err, within, moved, where = triton_small
-      kept = triton_interpreted.residual_bytes(_triton_attention, args)
-      r = record("jaxfuse-triton", kept,
-                 rec.JAX_RESIDUAL_SOURCE + triton_interpreted.RESIDUAL_SUFFIX,
-                 note=(f"{triton_interpreted.NOTE.format(where=where)} (grads "
-                       f"{'within' if within else 'NOT within'} rtol={FP32_RTOL:g} "
-                       f"atol={FP32_ATOL:g})"))
-      r.set("bytes_moved", moved, triton_interpreted.BYTES_SOURCE.format(where=where))
-      harness.set_errors(r, (out_err, grad_err), triton_interpreted.ERRORS_SOURCE.format(
-          where=where, reference=REFERENCE))
-    elif not ctx.native("triton"):
-      record("jaxfuse-triton", note="not run: Triton needs a GPU (or triton, for its "
-                                    "interpreter)")
+    for name, (fn, small) in interpreted.items():
+      if harness.kernel_kind(name).interpretable:
+        out_err, grad_err, within, where = small
+        with jaxfuse.pallas_interpret():  # traced, never run
+          kept = harness.residual_bytes(fn, args)
+        moved = harness.step_bytes_moved(fn, args, g)
+        r = record(name, kept, f"{rec.JAX_RESIDUAL_SOURCE} (traced in interpret mode)",
+                   note=(f"not timed: no GPU, Pallas runs only in interpret mode here; errors "
+                         f"from {where} (grads {'within' if within else 'NOT within'} "
+                         f"rtol={FP32_RTOL:g} atol={FP32_ATOL:g})"))
+        r.set("bytes_moved", moved, rec.KERNEL_BYTES_SOURCE)
+        harness.set_errors(r, (out_err, grad_err), f"Pallas {where} against {REFERENCE}")
+      elif small is not None:  # the Triton kernels, in Triton's interpreter
+        out_err, grad_err, within, moved, where = small
+        kept = triton_interpreted.residual_bytes(fn, args)
+        r = record(name, kept, rec.JAX_RESIDUAL_SOURCE + triton_interpreted.RESIDUAL_SUFFIX,
+                   note=(f"{triton_interpreted.NOTE.format(where=where)} (grads "
+                         f"{'within' if within else 'NOT within'} rtol={FP32_RTOL:g} "
+                         f"atol={FP32_ATOL:g})"))
+        r.set("bytes_moved", moved, triton_interpreted.BYTES_SOURCE.format(where=where))
+        harness.set_errors(r, (out_err, grad_err), triton_interpreted.ERRORS_SOURCE.format(
+            where=where, reference=REFERENCE))
+      else:
+        record(name, note="not run: Triton needs a GPU (or triton, for its interpreter)")
     for name, note in _skipped_notes(t):
       record(name, note=note)
 

@@ -13,9 +13,11 @@ their source. No GPU is needed and nothing runs.
 Configurations: float32, bfloat16 and float16; attention (batch 2, 1024 tokens, 8 heads) at
 head dims 40, 64, 128 and 256, causal or not, with or without a float32 ``[1, 8, T, T]`` bias
 (which adds the dbias kernel); the norms over 4096 rows of widths 1024, 4096, 16384 and the
-largest each implementation takes (widths past it are left out); softmax rows of 1024 and 32768, with and without a mask;
-the elementwise kernels over 16M elements or 4096 x 4096; the linear and cross-entropy kernels
-at 4096 tokens. ``--quick`` keeps a few configurations per family.
+largest each implementation takes (widths past it are left out); softmax rows of 1024 and
+32768, with and without a mask; the elementwise kernels over 16M elements or 4096 x 4096; the
+linear and cross-entropy kernels at 4096 tokens. ``--quick`` keeps a few configurations per
+family. Which kernel implementations each op has, and their modules, come from its registry
+entry (``jaxfuse.ops.base.REGISTRY``).
 
 Fields: ``regs`` (registers per thread), ``spill_bytes`` (spill stores + loads per thread),
 ``stack_bytes`` (stack frame per thread), ``smem_bytes`` (dynamic + static shared memory per
@@ -31,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import sys
 from collections.abc import Callable, Sequence
 
 import jax
@@ -39,7 +40,6 @@ import jax.numpy as jnp
 
 from benchmarks.records import Record
 from jaxfuse import ops
-from jaxfuse.kernels.pallas import normalization as pallas_norm
 from jaxfuse.metrics import kernel_resources as kr
 from jaxfuse.ops import base as op_base
 from jaxfuse.ops.flash_attention import tuning
@@ -111,28 +111,28 @@ def _first(out):
 # Configurations -------------------------------------------------------------------------------
 
 
-def implementations(op: Callable) -> tuple[str, ...]:
-  """The kernel implementations (``pallas``, ``triton``) an op of ``jaxfuse.ops`` has."""
-  module = sys.modules[op.__module__]
-  for value in vars(module).values():
-    if isinstance(value, op_base.Op) and value.name == op.__name__:
-      return tuple(i for i in ("pallas", "triton") if i in value.implementations)
-  raise ValueError(f"kernels suite: no Op named {op.__name__} in {module.__name__}")
+def implementations(op_name: str) -> tuple[str, ...]:
+  """The kernel implementations (``pallas``, ``triton``) an op of ``jaxfuse.ops`` has: those
+  of its registry entry that have a kernel module."""
+  op = op_base.REGISTRY[op_name]
+  return tuple(impl for impl in op.implementations if op.module_name(impl) is not None)
 
 
-def _op_configs(family: str, label: str, dtype: str, op: Callable, call: Callable,
+def _build(loss: Callable, n_diff: int, args: tuple) -> tuple[Callable, tuple]:
+  return _fwd_bwd(loss, n_diff), args
+
+
+def _op_configs(family: str, label: str, dtype: str, op_name: str, call: Callable,
                 args: Sequence, n_diff: int | None = None, impls: Sequence[str] | None = None,
                 blocks: Callable[[str], str | None] | None = None) -> list[Config]:
-  """One configuration per kernel implementation of ``op``: the forward and the gradient of
-  ``call(*args, implementation=impl)``."""
-  out = []
-  for impl in impls or implementations(op):
-    loss = functools.partial(call, implementation=impl)
-    n = len(args) if n_diff is None else n_diff
-    out.append(Config(family, label, dtype, impl,
-                      functools.partial(lambda loss, n: (_fwd_bwd(loss, n), tuple(args)), loss, n),
-                      blocks or (lambda name: None)))
-  return out
+  """One configuration per kernel implementation of the op ``op_name`` (or of ``impls``): the
+  forward and the gradient of ``call(*args, implementation=impl)``."""
+  n = len(args) if n_diff is None else n_diff
+  return [Config(family, label, dtype, impl,
+                 functools.partial(_build, functools.partial(call, implementation=impl), n,
+                                   tuple(args)),
+                 blocks or (lambda name: None))
+          for impl in impls or implementations(op_name)]
 
 
 def attention_configs(dtype: str, d: int, causal: bool, bias: bool) -> list[Config]:
@@ -157,24 +157,21 @@ def attention_configs(dtype: str, d: int, causal: bool, bias: bool) -> list[Conf
 
   args = (q, q, q) + ((_spec((1, h, t, t), "float32"),) if bias else ())
   label = f"d={d}" + (" causal" if causal else "") + (" bias" if bias else "")
-  return _op_configs("attention", label, dtype, ops.attention, call, args, blocks=blocks)
+  return _op_configs("attention", label, dtype, "attention", call, args, blocks=blocks)
 
 
-def _max_hidden(impl: str) -> int:
-  if impl == "triton":
-    from jaxfuse.kernels.triton import normalization as triton_norm
-
-    return triton_norm.MAX_HIDDEN
-  return pallas_norm.MAX_HIDDEN
+def _max_hidden(op_name: str, impl: str) -> int:
+  """The widest rows ``impl``'s kernels of the op take (its kernel module's ``MAX_HIDDEN``)."""
+  return op_base.REGISTRY[op_name].module(impl).MAX_HIDDEN
 
 
 def _norm(op_name: str, dtype: str, width: int | None, impls=None) -> list[Config]:
   """``op_name`` over ROWS rows of ``width`` (None: the largest each implementation takes)."""
   op = getattr(ops, op_name)
   out = []
-  for impl in impls or implementations(op):
-    h = width or _max_hidden(impl)
-    if h > _max_hidden(impl):
+  for impl in impls or implementations(op_name):
+    h = width or _max_hidden(op_name, impl)
+    if h > _max_hidden(op_name, impl):
       continue
     x, w = _spec((ROWS, h), dtype), _spec((h,), dtype)
     residual, centered = op_name.startswith("add_"), "layer" in op_name
@@ -186,7 +183,7 @@ def _norm(op_name: str, dtype: str, width: int | None, impls=None) -> list[Confi
       return _first(op(*args, rest[0], implementation=implementation, **kwargs))
 
     args = (x,) + ((x,) if residual else ()) + (w,) + ((w,) if centered else ())
-    out += _op_configs("norm", f"{op_name} H={h} rows={ROWS}", dtype, op, call, args,
+    out += _op_configs("norm", f"{op_name} H={h} rows={ROWS}", dtype, op_name, call, args,
                        impls=(impl,))
   return out
 
@@ -196,37 +193,30 @@ def _softmax(dtype: str, width: int, masked: bool) -> list[Config]:
   label = f"softmax n={width} rows={ROWS}" + (" mask" if masked else "")
   if masked:
     call = lambda x, m, implementation: ops.softmax(x, mask=m, implementation=implementation)
-    return _op_configs("softmax", label, dtype, ops.softmax, call,
+    return _op_configs("softmax", label, dtype, "softmax", call,
                        (x, _spec((ROWS, width), "bool")), n_diff=1)
-  call = lambda x, implementation: ops.softmax(x, implementation=implementation)
-  return _op_configs("softmax", label, dtype, ops.softmax, call, (x,))
+  return _op_configs("softmax", label, dtype, "softmax", ops.softmax, (x,))
 
 
 def _elementwise(name: str, dtype: str) -> list[Config]:
   flat = _spec((ELEMENTS,), dtype)
   grid = _spec((ROWS, FEATURES), dtype)
   vector = _spec((FEATURES,), dtype)
+  gelu, silu = {"activation": "gelu"}, {"activation": "silu"}
+  # name -> (op, its keyword arguments, its arguments, the label)
   calls = {
-      "add_act": (ops.add_act, lambda a, b, implementation: ops.add_act(
-          a, b, "gelu", implementation=implementation), (flat, flat),
-          f"add_act[gelu] n={ELEMENTS}"),
-      "add_act_unfused": (ops.add_act_unfused, lambda a, b, implementation: ops.add_act_unfused(
-          a, b, "gelu", implementation=implementation), (flat, flat),
-          f"add_act_unfused[gelu] n={ELEMENTS}"),
-      "relu": (ops.relu, lambda x, implementation: ops.relu(x, implementation=implementation),
-               (flat,), f"relu n={ELEMENTS}"),
-      "bias_act": (ops.bias_act, lambda x, b, implementation: ops.bias_act(
-          x, b, "gelu", implementation=implementation), (grid, vector),
-          f"bias_act[gelu] {ROWS}x{FEATURES}"),
-      "glu": (ops.glu, lambda a, b, implementation: ops.glu(
-          a, b, "silu", implementation=implementation), (grid, grid),
-          f"glu[silu] {ROWS}x{FEATURES}"),
-      "glu_packed": (ops.glu, lambda x, implementation: ops.glu(
-          x, "silu", implementation=implementation), (_spec((ROWS, 2 * FEATURES), dtype),),
-          f"glu[silu] packed {ROWS}x{2 * FEATURES}"),
+      "add_act": ("add_act", gelu, (flat, flat), f"add_act[gelu] n={ELEMENTS}"),
+      "add_act_unfused": ("add_act_unfused", gelu, (flat, flat),
+                          f"add_act_unfused[gelu] n={ELEMENTS}"),
+      "relu": ("relu", {}, (flat,), f"relu n={ELEMENTS}"),
+      "bias_act": ("bias_act", gelu, (grid, vector), f"bias_act[gelu] {ROWS}x{FEATURES}"),
+      "glu": ("glu", silu, (grid, grid), f"glu[silu] {ROWS}x{FEATURES}"),
+      "glu_packed": ("glu", silu, (_spec((ROWS, 2 * FEATURES), dtype),),
+                     f"glu[silu] packed {ROWS}x{2 * FEATURES}"),
   }
-  op, call, args, label = calls[name]
-  return _op_configs("elementwise", label, dtype, op, call, args)
+  op_name, kwargs, args, label = calls[name]
+  call = functools.partial(getattr(ops, op_name), **kwargs)
+  return _op_configs("elementwise", label, dtype, op_name, call, args)
 
 
 ELEMENTWISE = ("add_act", "add_act_unfused", "relu", "bias_act", "glu", "glu_packed")
@@ -234,18 +224,15 @@ ELEMENTWISE = ("add_act", "add_act_unfused", "relu", "bias_act", "glu", "glu_pac
 
 def _linear(dtype: str) -> list[Config]:
   x, w, b = _spec((ROWS, MODEL), dtype), _spec((FEATURES, MODEL), dtype), _spec((FEATURES,), dtype)
-  call = lambda x, w, b, implementation: ops.recompute_linear(
-      x, w, b, implementation=implementation)
   return _op_configs("linear", f"recompute_linear {ROWS}x{MODEL}->{FEATURES}", dtype,
-                     ops.recompute_linear, call, (x, w, b))
+                     "recompute_linear", ops.recompute_linear, (x, w, b))
 
 
 def _cross_entropy(dtype: str) -> list[Config]:
   h, w = _spec((ROWS, MODEL), dtype), _spec((VOCAB, MODEL), dtype)
-  call = lambda h, w, y, implementation: ops.linear_cross_entropy(
-      h, w, y, implementation=implementation)
   return _op_configs("xent", f"linear_cross_entropy N={ROWS} D={MODEL} V={VOCAB}", dtype,
-                     ops.linear_cross_entropy, call, (h, w, _spec((ROWS,), "int32")), n_diff=2)
+                     "linear_cross_entropy", ops.linear_cross_entropy,
+                     (h, w, _spec((ROWS,), "int32")), n_diff=2)
 
 
 def configs(quick: bool = False) -> list[Config]:
@@ -297,9 +284,7 @@ def core() -> list[Config]:
 def sources(config: Config) -> list[kr.KernelSource]:
   """The kernels of one configuration, as :mod:`jaxfuse.metrics.kernel_resources` takes them."""
   f, args = config.build()
-  if config.kind == "pallas":
-    return kr.pallas_kernels(f, *args)
-  return kr.triton_kernels(f, *args)
+  return kr.kernels_of(config.kind, f, *args)
 
 
 def _constants(source: kr.KernelSource, keys: Sequence[str]) -> list[str]:

@@ -3,8 +3,9 @@
 Every case times forward + backward: one jit-compiled step returning the outputs and the
 gradients of every input and parameter, or one torch autograd step, interleaved across
 
-- ``jaxfuse-xla``, and where they compile (GPUs) ``jaxfuse-pallas`` / ``jaxfuse-triton`` (every
-  op here has both kernel sets);
+- ``jaxfuse-<implementation>``, one row per implementation the op has (its registry entry,
+  ``jaxfuse.ops.base.REGISTRY``: ``jaxfuse-pallas``, ``jaxfuse-triton``, ``jaxfuse-xla``), the
+  kernel rows timed where they compile (GPUs);
 - ``jax-unfused``: the plain jnp chain (``jaxfuse.ops.*_reference``), differentiated by JAX;
 - ``torch-eager`` and ``torch-compile`` (``torch.nn.functional.rms_norm`` / ``layer_norm``, which
   ``torch.nn.RMSNorm`` / ``LayerNorm`` call; ``torch.compile`` of the forward, with its compiled
@@ -41,7 +42,7 @@ are appended, so that the whole family lands in one table.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
+import functools
 from collections.abc import Callable
 
 import jax.numpy as jnp
@@ -109,18 +110,20 @@ def _inputs(case: Case, rows: int, seed: int = 0):
 # Implementations --------------------------------------------------------------------------------
 
 
+def _has_row(implementation: str) -> bool:
+  """Whether jaxfuse's ``implementation`` of an op gets a row: where it runs (natively, or in
+  Pallas' interpret mode) or Triton's interpreter can give its figures."""
+  return harness.runs(implementation) or triton_interpreted.has_row(implementation)
+
+
 def _jax_fns(case: Case, tokamax) -> tuple[dict[str, Callable], dict[str, str]]:
+  """The JAX rows: jaxfuse's implementations of the op that run here (natively, in Pallas'
+  interpret mode, or in Triton's interpreter), the plain jnp chain, and tokamax."""
   eps, op = case.eps, case.op
-  fused = getattr(ops, op)
   reference = getattr(ops, f"{op}_reference")
-  fns = {
-      "jaxfuse-pallas": lambda *a: fused(*a, eps=eps, implementation="pallas"),
-      "jaxfuse-xla": lambda *a: fused(*a, eps=eps, implementation="xla"),
-      "jax-unfused": lambda *a: reference(*a, eps=eps),
-  }
+  fns = harness.jaxfuse_rows(op, functools.partial(getattr(ops, op), eps=eps), keep=_has_row)
+  fns["jax-unfused"] = lambda *a: reference(*a, eps=eps)
   notes = {}
-  if importlib.util.find_spec("triton") is not None:
-    fns["jaxfuse-triton"] = lambda *a: fused(*a, eps=eps, implementation="triton")
   if tokamax is None:
     notes["jax-unfused"] = "tokamax is not installed: no tokamax-xla row"
     return fns, notes
@@ -179,7 +182,8 @@ def run_case(ctx, case: Case, tokamax) -> list[Record]:
   steps: dict[str, Callable] = {}
   results: dict[str, object] = {}
   for impl, f in fns.items():
-    if impl.startswith("jaxfuse-") and not ctx.native(impl.removeprefix("jaxfuse-")):
+    kind = harness.kernel_kind(impl)
+    if kind is not None and not ctx.native(kind.name):
       continue
     ctx.step(f"{case.name}: compile {impl}")
     steps[impl] = step = harness.jax_step(f)
@@ -207,11 +211,12 @@ def run_case(ctx, case: Case, tokamax) -> list[Record]:
     rec.set("time_ms", times.get(impl), harness.time_source(times.get(impl)))
     if impl in results:
       harness.set_errors(rec, harness.errors(results[impl], exact),
-                  f"the timed step's own outputs against {REFERENCE}")
+                         f"the timed step's own outputs against {REFERENCE}")
       if impl != "torch-eager":
         _tolerance_note(rec, harness.errors(results["torch-eager"], exact))
     ctx.step(f"{case.name}: {impl} residuals")
-    if impl == "jaxfuse-triton" and not ctx.native("triton"):
+    kind = harness.kernel_kind(impl)
+    if kind is not None and not harness.runs(kind.name):  # the Triton kernels, on CPU
       if triton_interpreted.available():
         rec.set("residual_bytes", triton_interpreted.residual_bytes(fns[impl], args),
                 records_lib.JAX_RESIDUAL_SOURCE + triton_interpreted.RESIDUAL_SUFFIX)
@@ -222,15 +227,15 @@ def run_case(ctx, case: Case, tokamax) -> list[Record]:
       rec.set("residual_bytes", harness.torch_residual_bytes(torch_fns[impl], t_args),
               records_lib.TORCH_RESIDUAL_SOURCE)
     else:
-      with jaxfuse.pallas_interpret(not ctx.native("pallas")):  # traced, never run
+      with ctx.tracing(impl):  # traced, never run
         rec.set("residual_bytes", harness.residual_bytes(fns[impl], args),
                 records_lib.JAX_RESIDUAL_SOURCE)
     if impl in steps:
       ctx.step(f"{case.name}: {impl} compiled figures")
       harness.record_compiled_figures(rec, steps[impl], args, cts)
-    if impl == "jaxfuse-pallas":
+    if kind is not None and kind.interpretable:
       _pallas_figures(ctx, case, fns[impl], rec, args, cts)
-    elif impl == "jaxfuse-triton":
+    elif kind is not None:  # the Triton kernels
       _triton_figures(ctx, case, fns[impl], rec)
     elif impl == "jax-unfused" and case.op == "add_rms_norm":
       rec.set("bytes_moved", harness.step_bytes_moved(
@@ -278,7 +283,7 @@ def _pallas_figures(ctx, case: Case, f, rec: Record, args, cts) -> None:
   t_cts = _torch_cts(case, small_cts)
   exact = _exact(case, t_small, t_cts)
   harness.set_errors(rec, harness.errors(got, exact),
-              f"Pallas interpret mode at {rows}x{case.hidden} against {REFERENCE}")
+                     f"Pallas interpret mode at {rows}x{case.hidden} against {REFERENCE}")
   rec.add_note(f"errors from interpret mode at {rows}x{case.hidden} (CPU)")
   _tolerance_note(rec, harness.errors(harness.torch_step(_torch_fn(case))(t_small, t_cts),
                                       exact))
@@ -310,8 +315,10 @@ def _triton_figures(ctx, case: Case, f, rec: Record) -> None:
 
 
 def _add_chain_ratio(records) -> None:
-  """Says, on the fused Pallas row, what share of the unfused chain's bytes it moves."""
-  fused = [r for r in records if r.impl == "jaxfuse-pallas" and r.bytes_moved]
+  """Says, on the fused Pallas row, what share of the unfused chain's bytes it moves (both
+  counted from the Pallas kernels' grid and block specs, at the case's shape)."""
+  fused = [r for r in records if (kind := harness.kernel_kind(r.impl)) is not None
+           and kind.interpretable and r.bytes_moved]
   chain = [r for r in records if r.impl == "jax-unfused" and r.bytes_moved]
   if fused and chain:
     share = f"bytes_moved {fused[0].bytes_moved / chain[0].bytes_moved:.0%} of the unfused chain"

@@ -5,8 +5,9 @@ alone.
 Every case times forward + backward (one jit-compiled step returning the output and all
 gradients, or one torch autograd step), interleaved across implementations:
 
-- ``jaxfuse-xla`` and, where they compile (GPUs), ``jaxfuse-pallas`` / ``jaxfuse-triton`` (the
-  Triton rows only there);
+- ``jaxfuse-<implementation>`` for each implementation the op has (its registry entry; the
+  GatedMLP block's are the GLU op's): ``jaxfuse-xla``, ``jaxfuse-pallas`` (timed where it
+  compiles, GPUs) and ``jaxfuse-triton`` (only where it compiles);
 - ``jax-unfused``: the plain jnp chain, differentiated by JAX;
 - ``torch-eager`` and ``torch-compile`` (``torch.compile`` of the function, autograd's backward
   through it);
@@ -25,6 +26,7 @@ produced.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Sequence
 
@@ -35,7 +37,8 @@ import jaxfuse
 from benchmarks import harness
 from benchmarks import records as records_lib
 from benchmarks.records import Record
-from jaxfuse.ops import activations, bias_act, glu, softmax
+from jaxfuse import ops
+from jaxfuse.ops import activations
 from jaxfuse.remat import mlp as blocks
 
 SUITE = "norm"
@@ -77,9 +80,8 @@ def run_case(ctx, case: Case, dtype) -> list[Record]:
   steps: dict[str, Callable] = {}
   outputs: dict[str, object] = {}
   for impl, f in case.jax_fns.items():
-    native = impl in ("jaxfuse-xla", "jax-unfused", "tokamax-xla") or ctx.native(
-        impl.removeprefix("jaxfuse-"))
-    if not native:
+    kind = harness.kernel_kind(impl)
+    if kind is not None and not ctx.native(kind.name):
       continue
     steps[impl] = step = harness.jax_step(f, n_diff=case.n_diff)
     ctx.step(f"{case.name}: compile {impl}")
@@ -103,21 +105,21 @@ def run_case(ctx, case: Case, dtype) -> list[Record]:
     rec.set("time_ms", times.get(impl), harness.time_source(times.get(impl)))
     if impl in outputs and impl != "torch-eager":
       harness.set_errors(rec, harness.errors(outputs[impl], reference),
-                  f"the timed step's own outputs against {REFERENCE}")
+                         f"the timed step's own outputs against {REFERENCE}")
     ctx.step(f"{case.name}: {impl} residuals")
     if impl.startswith("torch"):
       rec.set("residual_bytes",
               harness.torch_residual_bytes(torch_fns[impl], t_inputs, n_diff=case.n_diff),
               records_lib.TORCH_RESIDUAL_SOURCE)
     else:
-      with jaxfuse.pallas_interpret(not ctx.native("pallas")):  # traced only, never run
+      with ctx.tracing(impl):  # traced only, never run
         rec.set("residual_bytes",
                 harness.residual_bytes(case.jax_fns[impl], inputs, n_diff=case.n_diff),
                 records_lib.JAX_RESIDUAL_SOURCE)
     if impl in steps:
       ctx.step(f"{case.name}: {impl} compiled figures")
       harness.record_compiled_figures(rec, steps[impl], inputs, g)
-    if impl == "jaxfuse-pallas" or impl == "jaxfuse-triton":
+    if harness.kernel_kind(impl) is not None:
       _kernel_figures(ctx, case, impl, rec, inputs, g)
     records.append(rec)
   harness.ratio_to_fastest(records, PEERS)
@@ -125,15 +127,17 @@ def run_case(ctx, case: Case, dtype) -> list[Record]:
 
 
 def _kernel_figures(ctx, case, impl, rec, inputs, g):
-  """bytes_moved of the Pallas kernels; on CPU, errors from interpret mode at a reduced shape."""
+  """bytes_moved of the Pallas kernels (counted from their grid and block specs); on CPU, errors
+  from interpret mode at a reduced shape."""
   f = case.jax_fns[impl]
-  if impl == "jaxfuse-pallas":
+  kind = harness.kernel_kind(impl)
+  if kind.interpretable:
     ctx.step(f"{case.name}: Pallas bytes moved")
     rec.set("bytes_moved", harness.step_bytes_moved(f, inputs, g, n_diff=case.n_diff),
             records_lib.KERNEL_BYTES_SOURCE)
-  if ctx.native(impl.removeprefix("jaxfuse-")):
+  if ctx.native(kind.name):
     return
-  if impl == "jaxfuse-triton":
+  if not kind.interpretable:
     rec.add_note("Triton kernels run on GPUs (tested on CPU with Triton's interpreter)")
     return
   rows = min(case.rows, INTERPRET_ROWS)
@@ -145,7 +149,7 @@ def _kernel_figures(ctx, case, impl, rec, inputs, g):
   want = harness.torch_step(case.torch_fn, n_diff=case.n_diff)(
       [harness.to_torch(x) for x in small], harness.to_torch(g_small))
   harness.set_errors(rec, harness.errors(got, want),
-              f"Pallas interpret mode at {rows} rows against {REFERENCE}")
+                     f"Pallas interpret mode at {rows} rows against {REFERENCE}")
   rec.add_note(f"errors from interpret mode at {rows} rows (CPU)")
 
 
@@ -156,21 +160,20 @@ def _normal(key, shape, dtype, scale=1.0):
   return (scale * jax.random.normal(jax.random.key(key), shape, jnp.float32)).astype(dtype)
 
 
+def _jax_fns(op_name: str, call: Callable, unfused: Callable) -> dict[str, Callable]:
+  """jaxfuse's rows of ``op_name`` that run here (natively, or in Pallas' interpret mode: the
+  Triton rows only where they compile), then ``jax-unfused``."""
+  return {**harness.jaxfuse_rows(op_name, call, keep=harness.runs), "jax-unfused": unfused}
+
+
 def softmax_case(rows, n, dtype) -> Case:
   import torch
 
-  fns = {
-      "jaxfuse-pallas": lambda x: softmax(x, implementation="pallas"),
-      "jaxfuse-xla": lambda x: softmax(x, implementation="xla"),
-      "jax-unfused": lambda x: jax.nn.softmax(x, axis=-1),
-  }
-  if jaxfuse.ops.dispatch.runs_natively("triton"):
-    fns["jaxfuse-triton"] = lambda x: softmax(x, implementation="triton")
   return Case(
       name=f"softmax {rows}x{n}",
       make_inputs=lambda r: [_normal(0, (r, n), dtype, 3.0)],
       rows=rows, n_diff=1,
-      jax_fns=fns,
+      jax_fns=_jax_fns("softmax", ops.softmax, lambda x: jax.nn.softmax(x, axis=-1)),
       torch_fn=lambda x: torch.softmax(x, dim=-1),
       notes={"jaxfuse-xla": "tokamax has no softmax op: no tokamax-xla row"})
 
@@ -182,42 +185,34 @@ def _torch_act(act):
           "relu": F.relu}[act]
 
 
-def bias_act_case(rows, n, act, dtype) -> Case:
-  fn = activations.get(act)
-  torch_act = _torch_act(act)
-  fns = {
-      "jaxfuse-pallas": lambda x, b: bias_act(x, b, act, implementation="pallas"),
-      "jaxfuse-xla": lambda x, b: bias_act(x, b, act, implementation="xla"),
-      "jax-unfused": lambda x, b: fn(x + b),
-  }
-  if jaxfuse.ops.dispatch.runs_natively("triton"):
-    fns["jaxfuse-triton"] = lambda x, b: bias_act(x, b, act, implementation="triton")
+def _activation_case(name: str, op_name: str, act: str, make_inputs, rows: int,
+                     chain: Callable, note: str) -> Case:
+  """A case of an op of two differentiated inputs and an activation (bias_act, glu):
+  ``chain(act, a, b)`` is its unfused computation, with JAX's or torch's activation."""
+  fn, torch_act = activations.get(act), _torch_act(act)
   return Case(
-      name=f"bias+{act} {rows}x{n}",
-      make_inputs=lambda r: [_normal(1, (r, n), dtype, 2.0), _normal(2, (n,), dtype)],
-      rows=rows, n_diff=2,
-      jax_fns=fns,
-      torch_fn=lambda x, b: torch_act(x + b),
-      notes={"jaxfuse-xla": "tokamax has no bias + activation op: no tokamax-xla row"})
+      name=name, make_inputs=make_inputs, rows=rows, n_diff=2,
+      jax_fns=_jax_fns(op_name, functools.partial(getattr(ops, op_name), activation=act),
+                       functools.partial(chain, fn)),
+      torch_fn=functools.partial(chain, torch_act),
+      notes={"jaxfuse-xla": note})
+
+
+def bias_act_case(rows, n, act, dtype) -> Case:
+  return _activation_case(
+      f"bias+{act} {rows}x{n}", "bias_act", act,
+      lambda r: [_normal(1, (r, n), dtype, 2.0), _normal(2, (n,), dtype)], rows,
+      lambda fn, x, b: fn(x + b), "tokamax has no bias + activation op: no tokamax-xla row")
 
 
 def glu_case(rows, h, act, dtype) -> Case:
-  fn = activations.get(act)
-  torch_act = _torch_act(act)
-  fns = {
-      "jaxfuse-pallas": lambda a, b: glu(a, b, act, implementation="pallas"),
-      "jaxfuse-xla": lambda a, b: glu(a, b, act, implementation="xla"),
-      "jax-unfused": lambda a, b: fn(a) * b,
-  }
-  if jaxfuse.ops.dispatch.runs_natively("triton"):
-    fns["jaxfuse-triton"] = lambda a, b: glu(a, b, act, implementation="triton")
   name = {"silu": "swiglu", "gelu": "geglu", "relu": "reglu"}.get(act, f"glu-{act}")
-  return Case(
-      name=f"{name} {rows}x{h}",
-      make_inputs=lambda r: [_normal(3, (r, h), dtype, 2.0), _normal(4, (r, h), dtype)],
-      rows=rows, n_diff=2, jax_fns=fns, torch_fn=lambda a, b: torch_act(a) * b,
-      notes={"jaxfuse-xla": "tokamax has no elementwise GLU (its gated_linear_unit includes "
-                            "the projections): no tokamax-xla row, see the gated_mlp case"})
+  return _activation_case(
+      f"{name} {rows}x{h}", "glu", act,
+      lambda r: [_normal(3, (r, h), dtype, 2.0), _normal(4, (r, h), dtype)], rows,
+      lambda fn, a, b: fn(a) * b,
+      "tokamax has no elementwise GLU (its gated_linear_unit includes the projections): no "
+      "tokamax-xla row, see the gated_mlp case")
 
 
 def _plain_gated_mlp(x, wg, wu, wd):
@@ -239,13 +234,8 @@ def gated_mlp_case(tokens, d, hidden, dtype) -> Case:
     # LLaMA's MLP on the same (in, out) weights: down_proj(silu(gate_proj(x)) * up_proj(x)).
     return (F.silu(x @ wg) * (x @ wu)) @ wd
 
-  fns = {
-      "jaxfuse-pallas": lambda *a: blocks.gated_mlp(*a, implementation="pallas"),
-      "jaxfuse-xla": lambda *a: blocks.gated_mlp(*a, implementation="xla"),
-      "jax-unfused": _plain_gated_mlp,
-  }
-  if jaxfuse.ops.dispatch.runs_natively("triton"):
-    fns["jaxfuse-triton"] = lambda *a: blocks.gated_mlp(*a, implementation="triton")
+  # The block's kernels are the GLU op's.
+  fns = _jax_fns("glu", blocks.gated_mlp, _plain_gated_mlp)
   notes = {"jaxfuse-pallas": "bytes_moved: the GLU kernels only (the matmuls are XLA's)",
            "jaxfuse-xla": "keeps gate and up; recomputes the hidden activation"}
   tokamax = harness.tokamax()

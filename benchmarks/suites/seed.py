@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -39,17 +40,19 @@ from benchmarks import harness
 from benchmarks import records as rec
 from benchmarks.records import Record
 from jaxfuse import interop, metrics, ops
-from jaxfuse.ops import activations, dispatch
+from jaxfuse.ops import activations, base, dispatch
 
 SUITE = "seed"
 REFERENCE = "torch-fp64"
 PEERS = ("jax-jit", "torch-eager", "torch-compile")
-ORDER = ("jax-unfused", "jax-jit", "jaxfuse-xla", "jaxfuse-unfused", "jaxfuse-pallas",
-         "jaxfuse-triton", "torch-eager", "torch-compile")
-# jaxfuse rows that run kernels: (op, implementation).
-KERNEL_ROWS = {"jaxfuse-unfused": ("add_act_unfused", "pallas"),
-               "jaxfuse-pallas": ("add_act", "pallas"),
-               "jaxfuse-triton": ("add_act", "triton")}
+ADD_ACT = base.REGISTRY["add_act"]
+# The unfused chain of kernels (add_act_unfused: the add kernel, then the fn kernel), and the
+# implementation whose kernels it runs.
+UNFUSED, UNFUSED_IMPLEMENTATION = "jaxfuse-unfused", "pallas"
+# The rows: jaxfuse's are its XLA implementation, the unfused chain, then add_act's kernels of
+# each kind it has (its registry entry).
+ORDER = ("jax-unfused", "jax-jit", "jaxfuse-xla", UNFUSED,
+         *(harness.jaxfuse_row(impl) for impl in ADD_ACT.kinds), "torch-eager", "torch-compile")
 # The Triton kernels' loads and stores are counted in Triton's interpreter with this block: the
 # kernels mask every element once, so the count does not depend on it, and big blocks keep the
 # interpreter quick.
@@ -122,18 +125,36 @@ def _triton_counted_bytes(a, b, g, act, with_grad) -> int | None:
 
 
 @functools.cache
-def _triton_activations():
+def _takes(implementation: str, act: str) -> bool:
+  """Whether the elementwise kernels of ``implementation`` take ``act`` (their module's
+  ``refuses``; add_act_unfused's kernels are the same module's); False where they do not
+  import here."""
+  if dispatch.KINDS[implementation].package is None:  # XLA: the op's own formulas
+    return True
+  os.environ.setdefault("TRITON_INTERPRET", "1" if not dispatch.on_gpu() else "0")
   try:
-    os.environ.setdefault("TRITON_INTERPRET", "1" if not dispatch.on_gpu() else "0")
-    from jaxfuse.kernels.triton import elementwise as tk
+    return ADD_ACT.refuses(implementation, {"activation": act}) is None
   except ImportError:
-    return ()
-  return tk.ACTIVATIONS
+    return False
 
 
-def _jaxfuse_fn(op_name: str, impl: str, act: str):
-  op = getattr(ops, op_name)
-  return lambda a, b: op(a, b, act, implementation=impl)
+def _jaxfuse_fns(act: str) -> dict[str, Callable]:
+  """jaxfuse's rows: each implementation of add_act, and the unfused chain."""
+  fns = harness.jaxfuse_rows("add_act", functools.partial(ops.add_act, activation=act))
+  fns[UNFUSED] = functools.partial(ops.add_act_unfused, activation=act,
+                                   implementation=UNFUSED_IMPLEMENTATION)
+  return fns
+
+
+def _kind(name: str) -> dispatch.Kind | None:
+  """The kind of implementation of a row (None for the baselines and torch)."""
+  return dispatch.KINDS[UNFUSED_IMPLEMENTATION] if name == UNFUSED else harness.kind(name)
+
+
+def _native(ctx, name: str) -> bool:
+  """Whether a row compiles here (the baselines and torch do)."""
+  kind = _kind(name)
+  return kind is None or ctx.native(kind.name)
 
 
 def _unfused_parts(act, dtype, with_grad):
@@ -193,13 +214,9 @@ def _add_act_case(ctx, act: str, n: int, dtype, with_grad: bool) -> list[Record]
       harness.to_float64_cpu(t_args), harness.to_float64_cpu([tg])[0] if with_grad else None)
 
   jax_fn = JAX_ACTIVATIONS[act]
-  fns = {"jax-jit": lambda a, b: jax_fn(a + b),
-         "jaxfuse-xla": _jaxfuse_fn("add_act", "xla", act)}
-  steps = {name: harness.jax_step(f, grad=with_grad) for name, f in fns.items()}
-  for name, (op_name, impl) in KERNEL_ROWS.items():
-    if ctx.native(impl) and (impl != "triton" or act in _triton_activations()):
-      fns[name] = _jaxfuse_fn(op_name, impl, act)
-      steps[name] = harness.jax_step(fns[name], grad=with_grad)
+  fns = {"jax-jit": lambda a, b: jax_fn(a + b), **_jaxfuse_fns(act)}
+  steps = {name: harness.jax_step(f, grad=with_grad) for name, f in fns.items()
+           if _native(ctx, name) and (_kind(name) is None or _takes(_kind(name).name, act))}
   unfused_parts, unfused_chain = _unfused_parts(act, dtype, with_grad)
   torch_compiled = torch.compile(torch_add_act)
   torch_steps = {"torch-eager": harness.torch_step(torch_add_act, grad=with_grad),
@@ -214,16 +231,15 @@ def _add_act_case(ctx, act: str, n: int, dtype, with_grad: bool) -> list[Record]
 
   error_sources = {name: f"the timed step's own outputs against {REFERENCE}" for name in outputs}
   notes = {}
-  for name, (op_name, impl) in KERNEL_ROWS.items():
+  for name, f in fns.items():
     if name in outputs:
       continue
-    if impl == "pallas":
+    if _kind(name).interpretable:
       with jaxfuse.pallas_interpret():
-        outputs[name] = harness.jax_step(_jaxfuse_fn(op_name, impl, act), grad=with_grad)(
-            args, cts)
+        outputs[name] = harness.jax_step(f, grad=with_grad)(args, cts)
       error_sources[name] = f"Pallas interpret mode against {REFERENCE}"
       notes[name] = "CPU: errors from Pallas interpret mode; time needs a GPU"
-    elif act in _triton_activations():
+    elif _takes(_kind(name).name, act):  # the Triton kernels, in Triton's interpreter
       outputs[name] = _triton_interpreted(ta, tb, tg, act, with_grad)
       error_sources[name] = f"Triton's interpreter (torch CPU tensors) against {REFERENCE}"
       notes[name] = "CPU: errors from Triton's interpreter; time needs a GPU"
@@ -245,11 +261,13 @@ def _add_act_case(ctx, act: str, n: int, dtype, with_grad: bool) -> list[Record]
       _unfused_compiled_figures(r, unfused_parts, a, b, g)
     elif name in steps:
       harness.record_compiled_figures(r, steps[name], args, cts)
-    if name in ("jaxfuse-unfused", "jaxfuse-pallas"):
-      op_name, impl = KERNEL_ROWS[name]
-      r.set("bytes_moved", harness.step_bytes_moved(_jaxfuse_fn(op_name, impl, act), args, cts,
-                                                    grad=with_grad), rec.KERNEL_BYTES_SOURCE)
-    elif name == "jaxfuse-triton":
+    kind = _kind(name)
+    if kind is None or kind.package is None:  # no kernels
+      continue
+    if kind.interpretable:  # pallas_call kernels: counted from their grid and block specs
+      r.set("bytes_moved", harness.step_bytes_moved(fns[name], args, cts, grad=with_grad),
+            rec.KERNEL_BYTES_SOURCE)
+    else:  # the Triton kernels
       counted = _triton_counted_bytes(ta, tb, tg, act, with_grad)
       r.set("bytes_moved", counted, TRITON_BYTES_SOURCE)
       if counted is None:
@@ -266,23 +284,20 @@ def _residual(ctx, r: Record, act, args, t_args, fns, torch_add_act, torch_compi
     r.set("residual_bytes", harness.torch_residual_bytes(fn, t_args), rec.TORCH_RESIDUAL_SOURCE)
     return
   if name == "jax-unfused":
-    f = _jaxfuse_fn("add_act_unfused", "xla", act)
+    f = functools.partial(ops.add_act_unfused, activation=act, implementation="xla")
     r.set("residual_bytes", harness.residual_bytes(f, args),
           f"{rec.JAX_RESIDUAL_SOURCE}, of add_act_unfused(implementation='xla'): the same "
           "add-then-fn structure")
     return
-  if name in fns and name not in KERNEL_ROWS:
-    r.set("residual_bytes", harness.residual_bytes(fns[name], args), rec.JAX_RESIDUAL_SOURCE)
-    return
-  op_name, impl = KERNEL_ROWS[name]
-  if impl == "triton" and not ctx.native("triton"):
+  kind = _kind(name)
+  if kind is not None and not harness.runs(kind.name):
     r.add_note("residual_bytes null: the Triton implementation is traced through jax-triton, "
                "which needs a GPU")
     return
-  with jaxfuse.pallas_interpret(impl == "pallas" and not ctx.native("pallas")):  # traced only
-    kept = harness.residual_bytes(_jaxfuse_fn(op_name, impl, act), args)
-  where = " (traced in Pallas interpret mode)" if impl == "pallas" and not ctx.native(
-      "pallas") else ""
+  interpreted = not _native(ctx, name)
+  with jaxfuse.pallas_interpret(interpreted):  # traced only
+    kept = harness.residual_bytes(fns[name], args)
+  where = " (traced in Pallas interpret mode)" if interpreted else ""
   r.set("residual_bytes", kept, f"{rec.JAX_RESIDUAL_SOURCE}{where}")
 
 

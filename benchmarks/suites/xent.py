@@ -35,6 +35,7 @@ their step; each record's ``sources`` says how each of its figures was produced.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -50,6 +51,8 @@ from jaxfuse.ops import dispatch, linear_cross_entropy
 SUITE = "xent"
 REFERENCE = "torch-eager"
 BASELINE = "jax-unfused"
+# The XLA implementation computing the gradients in the forward.
+GRAD_IN_FORWARD = "jaxfuse-xla[grad_in_forward]"
 # The acceptance case: in quick mode too.
 MAIN_CASE = (8192, 1024, 32000)
 # Pallas' interpret mode and Triton's interpreter on CPU check errors at this shape (N, D, V);
@@ -122,35 +125,30 @@ def _tokamax_loss():
   return loss_fn
 
 
-def _pallas_loss(y):
-  return lambda h, w: linear_cross_entropy(h, w, y, implementation="pallas")
-
-
-def _triton_loss(y):
-  return lambda h, w: linear_cross_entropy(h, w, y, implementation="triton")
+def _losses(y, **options) -> dict[str, Callable]:
+  """jaxfuse's rows: the loss of (h, w) for each implementation the op has."""
+  def loss(h, w, *, implementation):
+    return linear_cross_entropy(h, w, y, implementation=implementation, **options)
+  return harness.jaxfuse_rows("linear_cross_entropy", loss)
 
 
 @functools.cache
-def _triton_small_figures():
-  """``(out_err, grad_err, tolerance units, bytes)`` of the op with its Triton kernels in
-  Triton's interpreter at INTERPRET_SHAPE, against torch (the same for every case)."""
+def _small_figures(name: str):
+  """``(out_err, grad_err, tolerance units, bytes)`` of a kernel row at INTERPRET_SHAPE against
+  torch (the same for every case): with Pallas' kernels in interpret mode (bytes None), or the
+  Triton kernels in Triton's interpreter (their bytes counted there)."""
   n, d, v = INTERPRET_SHAPE
   h, w, y = _inputs(n, d, v, seed=1)
-  got, traffic = triton_interpreted.run_step(_triton_loss(y), (h, w))
+  loss = _losses(y)[name]
+  if harness.kernel_kind(name).interpretable:
+    with dispatch.pallas_interpret():
+      got, moved = harness.jax_step(loss)((h, w)), None
+  else:
+    got, traffic = triton_interpreted.run_step(loss, (h, w))
+    moved = traffic.bytes
   want = harness.torch_step(_torch_loss, n_diff=2)(_torch_setup(h, w, y))
   out_err, grad_err = harness.errors(got, want)
-  return out_err, grad_err, _tolerance_units(got[1], want[1]), traffic.bytes
-
-
-def _pallas_small_errors():
-  """Errors of the Pallas kernels against torch at a small shape, in interpret mode on CPU."""
-  n, d, v = INTERPRET_SHAPE
-  h, w, y = _inputs(n, d, v, seed=1)
-  with dispatch.pallas_interpret():
-    got = harness.jax_step(_pallas_loss(y))((h, w))
-  want = harness.torch_step(_torch_loss, n_diff=2)(_torch_setup(h, w, y))
-  out_err, grad_err = harness.errors(got, want)
-  return out_err, grad_err, _tolerance_units(got[1], want[1])
+  return out_err, grad_err, _tolerance_units(got[1], want[1]), moved
 
 
 def _case(ctx, n, d, v, with_peers) -> list[Record]:
@@ -161,16 +159,15 @@ def _case(ctx, n, d, v, with_peers) -> list[Record]:
   h, w, y = _inputs(n, d, v)
   t_args = _torch_setup(h, w, y)
 
+  jaxfuse = _losses(y)
+  kernels = [name for name in jaxfuse if harness.kernel_kind(name) is not None]
   losses = {
       BASELINE: lambda h, w: _plain(h, w, y),
-      "jaxfuse-xla": lambda h, w: linear_cross_entropy(h, w, y, implementation="xla"),
-      "jaxfuse-xla[grad_in_forward]": lambda h, w: linear_cross_entropy(
-          h, w, y, implementation="xla", grad_in_forward=True),
+      "jaxfuse-xla": jaxfuse["jaxfuse-xla"],
+      GRAD_IN_FORWARD: _losses(y, grad_in_forward=True)["jaxfuse-xla"],
   }
-  if ctx.native("pallas"):
-    losses["jaxfuse-pallas"] = _pallas_loss(y)
-  if ctx.native("triton"):
-    losses["jaxfuse-triton"] = _triton_loss(y)
+  losses.update((name, jaxfuse[name]) for name in kernels
+                if ctx.native(harness.kernel_kind(name).name))
   steps = {name: (harness.jax_step(loss), (h, w)) for name, loss in losses.items()}
   tokamax_loss = _tokamax_loss() if with_peers else None
   if tokamax_loss is not None:
@@ -208,58 +205,65 @@ def _case(ctx, n, d, v, with_peers) -> list[Record]:
   # The first calls above were the warm-up.
   times = ctx.time(candidates, warmup=0)
 
-  # What the backward keeps: traced for JAX; saved_tensors_hooks for torch.
+  # What the backward keeps: traced for JAX (the Pallas kernels in interpret mode where they do
+  # not compile, the Triton ones through a stand-in jax-triton); saved_tensors_hooks for torch.
+  # The Pallas kernels' bytes are counted from their grid and block specs.
   residual = {name: harness.residual_bytes(losses[name], args)
-              for name, (_, args) in steps.items() if name != "jaxfuse-pallas"}
-  with dispatch.pallas_interpret(not ctx.native("pallas")):  # traced, never run
-    residual["jaxfuse-pallas"] = harness.residual_bytes(_pallas_loss(y), (h, w))
-  triton_cpu = not ctx.native("triton") and triton_interpreted.available()
-  if triton_cpu:
-    residual["jaxfuse-triton"] = triton_interpreted.residual_bytes(_triton_loss(y), (h, w))
-  pallas_bytes = harness.step_bytes_moved(_pallas_loss(y), (h, w))
+              for name, (_, args) in steps.items()
+              if name not in kernels or not harness.kernel_kind(name).interpretable}
+  moved = {}
+  for name in kernels:
+    kind = harness.kernel_kind(name)
+    if kind.interpretable:
+      with ctx.tracing(name):  # traced, never run
+        residual[name] = harness.residual_bytes(jaxfuse[name], (h, w))
+      moved[name] = harness.step_bytes_moved(jaxfuse[name], (h, w))
+    elif not ctx.native(kind.name) and triton_interpreted.available():
+      residual[name] = triton_interpreted.residual_bytes(jaxfuse[name], (h, w))
   for name, loss in torch_losses.items():
     if name in outputs:
       residual[name] = harness.torch_residual_bytes(loss, t_args, n_diff=2)
 
-  triton_figures = None
-  if triton_cpu:
-    ctx.step(f"{case}: Triton interpreter run at N={INTERPRET_SHAPE[0]} D={INTERPRET_SHAPE[1]} "
-             f"V={INTERPRET_SHAPE[2]}")
-    triton_figures = _triton_small_figures()
-    notes["jaxfuse-triton"] = (
-        triton_interpreted.NOTE.format(where=_small_where())
-        + f" (grad err {triton_figures[2]:.2f} x fp32 tol)")
-  elif not ctx.native("triton"):
-    notes["jaxfuse-triton"] = "not run: Triton needs a GPU (or triton, for its interpreter)"
-  pallas_errors = None
-  if not ctx.native("pallas"):
-    err, grad_err, units = _pallas_small_errors()
-    pallas_errors = (err, grad_err)
-    notes["jaxfuse-pallas"] = (f"CPU: no time (needs a GPU); errors from interpret mode at "
-                               f"N={INTERPRET_SHAPE[0]} D={INTERPRET_SHAPE[1]} "
-                               f"V={INTERPRET_SHAPE[2]} (grad err {units:.2f} x fp32 tol)")
+  # Kernel rows that do not compile here: figures at INTERPRET_SHAPE.
+  small = {}
+  for name in kernels:
+    kind = harness.kernel_kind(name)
+    if ctx.native(kind.name):
+      continue
+    if kind.interpretable:
+      small[name] = _small_figures(name)
+      notes[name] = (f"CPU: no time (needs a GPU); errors from interpret mode at "
+                     f"{_small_where()} (grad err {small[name][2]:.2f} x fp32 tol)")
+    elif triton_interpreted.available():
+      ctx.step(f"{case}: Triton interpreter run at {_small_where()}")
+      small[name] = _small_figures(name)
+      notes[name] = (triton_interpreted.NOTE.format(where=_small_where())
+                     + f" (grad err {small[name][2]:.2f} x fp32 tol)")
+    else:
+      notes[name] = "not run: Triton needs a GPU (or triton, for its interpreter)"
 
   peaks = _peaks(steps, t_args) if ctx.platform == "gpu" else {}
   reference = outputs["torch-eager"]
   torch_ms = (times.get("torch-eager") or {}).get("median")
   records = []
-  order = [BASELINE, "jaxfuse-xla", "jaxfuse-xla[grad_in_forward]", "jaxfuse-pallas",
-           "jaxfuse-triton", "tokamax-xla", "torch-eager", "torch-compile"]
+  order = [BASELINE, "jaxfuse-xla", GRAD_IN_FORWARD, *kernels, "tokamax-xla", "torch-eager",
+           "torch-compile"]
   for name in order:
     if name in ("tokamax-xla", "torch-compile") and not with_peers:
       continue
     out = outputs.get(name)
+    kind = harness.kernel_kind(name)
     r = Record(SUITE, case, name, ctx.platform, "float32", note=notes.get(name))
     records.append(r)
     r.set("time_ms", times.get(name), harness.time_source(times.get(name)))
     r.set("flops", 6 * n * d * v, "modelled: 6·N·D·V (three N×D×V matmuls)")
-    if name == "jaxfuse-pallas" and pallas_errors is not None:
-      where = "Pallas interpret mode at N={} D={} V={}".format(*INTERPRET_SHAPE)
-      harness.set_errors(r, pallas_errors, f"{where} against {REFERENCE}")
-    elif name == "jaxfuse-triton" and triton_figures is not None:
-      harness.set_errors(r, triton_figures[:2], triton_interpreted.ERRORS_SOURCE.format(
+    if name in small and kind.interpretable:
+      harness.set_errors(r, small[name][:2],
+                         f"Pallas interpret mode at {_small_where()} against {REFERENCE}")
+    elif name in small:
+      harness.set_errors(r, small[name][:2], triton_interpreted.ERRORS_SOURCE.format(
           where=_small_where(), reference=REFERENCE))
-      r.set("bytes_moved", triton_figures[3],
+      r.set("bytes_moved", small[name][3],
             triton_interpreted.BYTES_SOURCE.format(where=_small_where()))
     elif out is not None and name != "torch-eager":
       harness.set_errors(r, harness.errors(out, reference),
@@ -273,15 +277,15 @@ def _case(ctx, n, d, v, with_peers) -> list[Record]:
       r.reference = REFERENCE
     if name == "tokamax-xla" and out is None and r.note is None:
       r.note = "tokamax is not installed"
-    if out is not None or name in ("jaxfuse-pallas", "jaxfuse-triton"):
+    if out is not None or kind is not None:
       source = (rec.TORCH_RESIDUAL_SOURCE if name.startswith("torch")
                 else rec.JAX_RESIDUAL_SOURCE)
-      if name == "jaxfuse-triton" and triton_cpu:
+      if name in small and not kind.interpretable:
         source += triton_interpreted.RESIDUAL_SUFFIX
       r.set("residual_bytes", residual.get(name), source)
-    if name == "jaxfuse-pallas":
-      r.set("bytes_moved", pallas_bytes, rec.KERNEL_BYTES_SOURCE)
-    elif name == "jaxfuse-triton" and ctx.native("triton"):
+    if kind is not None and kind.interpretable:
+      r.set("bytes_moved", moved[name], rec.KERNEL_BYTES_SOURCE)
+    elif kind is not None and ctx.native(kind.name):
       r.add_note("bytes_moved null: Triton compiles here (no interpreter to count in)")
     if name in steps:
       ctx.step(f"{case}: {name} compiled figures")

@@ -233,3 +233,22 @@ def triton_kernels(f: Callable, *args, **kwargs) -> list[KernelSource]:
   with dispatch.target_platform("gpu"), recording_triton_calls() as calls:
     jax.eval_shape(lambda *a: f(*a, **kwargs), *args)
   return count_launches(calls)
+
+
+# Each kind of kernel implementation (a kind of ``dispatch.KINDS`` with a kernel package), and how
+# the kernels of a call with it are found.
+FINDERS: dict[str, Callable[..., list[KernelSource]]] = {
+    "pallas": pallas_kernels,
+    "triton": triton_kernels,
+}
+
+
+def kernels_of(implementation: str, f: Callable, *args, **kwargs) -> list[KernelSource]:
+  """The kernels ``f(*args)`` launches on a GPU, where ``f`` calls ops with
+  ``implementation=implementation``: a kernel kind, ``"pallas"`` (:func:`pallas_kernels`) or
+  ``"triton"`` (:func:`triton_kernels`). Nothing runs."""
+  finder = FINDERS.get(implementation)
+  if finder is None:
+    raise ValueError(f"kernels_of: implementation must be one of {tuple(FINDERS)}, "
+                     f"got {implementation!r}")
+  return finder(f, *args, **kwargs)

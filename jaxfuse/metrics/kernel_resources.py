@@ -43,8 +43,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from jaxfuse.metrics.gpu_kernels import (KernelSource, kernels_in_hlo, lower_for_cuda,
-                                         pallas_kernels, recording_triton_calls, triton_kernels)
+from jaxfuse.metrics.gpu_kernels import (FINDERS, KernelSource, kernels_in_hlo, kernels_of,
+                                         lower_for_cuda, pallas_kernels, recording_triton_calls,
+                                         triton_kernels)
 from jaxfuse.metrics.gpu_occupancy import (ARCHS, DEFAULT_ARCH, Arch, KernelResources, arch,
                                            occupancy, resources_of)
 from jaxfuse.metrics.kernel_compile import (compile_each, compile_kernel, compile_kernels,
@@ -54,6 +55,7 @@ from jaxfuse.metrics.kernel_compile import (compile_each, compile_kernel, compil
 __all__ = [
     "ARCHS",
     "DEFAULT_ARCH",
+    "FINDERS",
     "Arch",
     "KernelResources",
     "KernelSource",
@@ -63,6 +65,7 @@ __all__ = [
     "compile_kernels",
     "kernel_resources",
     "kernels_in_hlo",
+    "kernels_of",
     "lower_for_cuda",
     "missing_toolchain",
     "occupancy",
