@@ -235,6 +235,17 @@ def _cross_entropy(dtype: str) -> list[Config]:
                      (h, w, _spec((ROWS,), "int32")), n_diff=2)
 
 
+def _qk_norm_rope(dtype: str, over: str) -> list[Config]:
+  heads, d = 16, 128
+  x, half = _spec((ROWS, heads, d), dtype), _spec((ROWS, d // 2), "float32")
+  w = _spec((d if over == "head" else heads * d,), dtype)
+  call = functools.partial(ops.qk_norm_rope, over=over)
+  return _op_configs("norm", f"qk_norm_rope[{over}] {ROWS}x{heads}x{d}", dtype, "qk_norm_rope",
+                     lambda x, w, c, s, implementation: call(x, w, c, s,
+                                                            implementation=implementation),
+                     (x, w, half, half), n_diff=2)
+
+
 def configs(quick: bool = False) -> list[Config]:
   """Every configuration the suite compiles (``quick``: a few per kernel family)."""
   out: list[Config] = []
@@ -243,7 +254,7 @@ def configs(quick: bool = False) -> list[Config]:
     out += attention_configs("bfloat16", 64, False, True)
     out += attention_configs("float32", 64, True, False)
     out += _norm("rms_norm", "bfloat16", None) + _norm("add_layer_norm", "bfloat16", 4096)
-    out += _softmax("bfloat16", 32768, True)
+    out += _softmax("bfloat16", 32768, True) + _qk_norm_rope("bfloat16", "head")
     for name in ELEMENTWISE:
       out += _elementwise(name, "bfloat16")
     return out + _linear("bfloat16") + _cross_entropy("bfloat16")
@@ -258,6 +269,7 @@ def configs(quick: bool = False) -> list[Config]:
         out += _norm(op_name, dtype, width)
     for width in SOFTMAX_WIDTHS:
       out += _softmax(dtype, width, False) + _softmax(dtype, width, True)
+    out += _qk_norm_rope(dtype, "head") + _qk_norm_rope(dtype, "projection")
     for name in ELEMENTWISE:
       out += _elementwise(name, dtype)
     out += _linear(dtype) + _cross_entropy(dtype)
@@ -274,7 +286,7 @@ def core() -> list[Config]:
   out += _norm("add_layer_norm", "float16", 16384, impls=("pallas",))
   # The widest rows the Triton norms take, with the most their backward keeps in registers.
   out += _norm("add_layer_norm", "bfloat16", None, impls=("triton",))
-  out += _softmax("bfloat16", 4096, True)
+  out += _softmax("bfloat16", 4096, True) + _qk_norm_rope("bfloat16", "projection")
   for name in ("add_act", "add_act_unfused", "relu", "bias_act", "glu"):
     out += _elementwise(name, "bfloat16")
   out += [c for c in _elementwise("glu_packed", "bfloat16") if c.kind == "triton"]

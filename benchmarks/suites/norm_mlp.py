@@ -252,6 +252,37 @@ def gated_mlp_case(tokens, d, hidden, dtype) -> Case:
               jax_fns=fns, torch_fn=torch_mlp, notes=notes)
 
 
+def qk_norm_rope_case(tokens, heads, d, dtype) -> Case:
+  """Qwen3's query norm and rotary embedding on ``[tokens, heads, head_dim]`` (the positions
+  0..tokens-1); unfused: RMSNorm, then the rotation, each a pass over the heads."""
+  import torch
+
+  from jaxfuse.testing.torch_ref import normalization as torch_norm
+
+  half = d // 2
+  angles = jnp.arange(tokens, dtype=jnp.float32)[:, None] * 10000.0 ** (
+      -jnp.arange(half, dtype=jnp.float32) / half)
+  cos, sin = jnp.cos(angles), jnp.sin(angles)
+  t_cos, t_sin = (torch.from_numpy(harness.to_numpy(t)) for t in (cos, sin))
+
+  def unfused(x, w):
+    return ops.rotary_embedding(ops.rms_norm_reference(x, w), jnp.arange(x.shape[0]))
+
+  return Case(
+      name=f"qk_norm_rope {tokens}x{heads}x{d}",
+      make_inputs=lambda r: [_normal(9, (r, heads, d), dtype, 2.0),
+                             _normal(10, (d,), dtype)],
+      rows=tokens, n_diff=2,
+      jax_fns=_jax_fns("qk_norm_rope",
+                       lambda x, w, implementation: ops.qk_norm_rope(
+                           x, w, cos[:x.shape[0]], sin[:x.shape[0]],
+                           implementation=implementation), unfused),
+      torch_fn=lambda x, w: torch_norm.qk_norm_rope(x, w, t_cos[:x.shape[0]],
+                                                    t_sin[:x.shape[0]]),
+      notes={"jax-unfused": "jaxfuse.ops.rms_norm_reference, then rotary_embedding",
+             "jaxfuse-xla": "tokamax has no query/key norm with rotary: no tokamax-xla row"})
+
+
 def cases(ctx) -> Sequence[tuple[Case, object]]:
   dtype = jnp.float32 if ctx.platform == "cpu" else jnp.bfloat16
   if ctx.quick:
@@ -263,6 +294,7 @@ def cases(ctx) -> Sequence[tuple[Case, object]]:
       (bias_act_case(rows, n, "gelu", dtype), dtype),
       (glu_case(rows, n, "silu", dtype), dtype),
       (gated_mlp_case(tokens, d, hidden, dtype), dtype),
+      (qk_norm_rope_case(rows, 8 if ctx.quick else 16, 128, dtype), dtype),
   ]
 
 

@@ -14,6 +14,7 @@ from jaxfuse.ops.linear import dense, dense_reference, linear_reference, recompu
 from jaxfuse.ops.normalization import (add_layer_norm, add_layer_norm_reference, add_rms_norm,
                                        add_rms_norm_reference, add_rms_norm_unfused, layer_norm,
                                        layer_norm_reference, rms_norm, rms_norm_reference)
+from jaxfuse.ops.qk_norm_rope import qk_norm_rope, qk_norm_rope_reference
 from jaxfuse.ops.rotary import rotary_embedding
 from jaxfuse.ops.softmax_ops import softmax, softmax_reference
 
@@ -47,6 +48,8 @@ __all__ = [
     "linear_reference",
     "names",
     "pallas_interpret",
+    "qk_norm_rope",
+    "qk_norm_rope_reference",
     "recompute_linear",
     "relu",
     "rms_norm",

@@ -45,3 +45,23 @@ def _set_params(module, scale, bias):
     if value is not None:
       delattr(module, name)
       setattr(module, name, value)
+
+
+def qk_norm_rope(x, scale, cos, sin, eps=1e-6, scale_offset=0.0, over="head"):
+  """Hugging Face's query/key norm then ``apply_rotary_pos_emb``: Qwen3's ``q_norm``
+  (``over="head"``), Gemma 3's (``scale_offset=1``: ``x * (1 + w)``), OLMo 2's
+  (``over="projection"``: one RMSNorm over the whole projection), on ``[batch, seq, heads,
+  head_dim]`` with ``cos``/``sin`` ``[seq, head_dim // 2]`` (their halves, not repeated)."""
+  heads, d = x.shape[-2:]
+  if over == "projection":
+    flat = x.reshape(*x.shape[:-2], heads * d)
+    normed = (rms_norm(flat, None, eps) * (scale + scale_offset) if scale is not None
+              else rms_norm(flat, None, eps)).reshape(x.shape)
+  else:
+    normed = rms_norm(x, None, eps)
+    if scale is not None:
+      normed = normed * (scale + scale_offset)
+  c = torch.cat([cos, cos], dim=-1)[..., None, :].to(x.dtype)
+  s = torch.cat([sin, sin], dim=-1)[..., None, :].to(x.dtype)
+  rotated = torch.cat([-normed[..., d // 2:], normed[..., :d // 2]], dim=-1)
+  return normed * c + rotated * s
