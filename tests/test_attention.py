@@ -11,18 +11,17 @@ import torch
 from jaxfuse.metrics import residual_bytes, torch_residual_bytes
 from jaxfuse.ops import attention, attention_reference
 from tests import helpers
-from tests.attention_common import (FAST_COMPILE, NAMES, assert_matches_torch, inputs, jax_step,
+from tests.attention_common import (FAST_COMPILE, assert_matches_torch, inputs, jax_step,
                                     torch_step)
 
 
 # Float32 against torch, across lengths, heads and masks ----------------------------------------
 
 # (batch, q_len, kv_len, q_heads, kv_heads, head_dim). XLA runs every length; Pallas runs in
-# interpret mode on CPU, so it takes the small ones.
+# interpret mode on CPU, so it takes the small ones. GQA at 77 tokens, full and causal, is the op
+# table's cases "" and "causal" (tests/cases/attention.py), in every dtype on both paths.
 XLA_CASES = [
     ((2, 1, 1, 2, 2, 64), True),
-    ((2, 77, 77, 4, 2, 64), False),       # GQA
-    ((2, 77, 77, 4, 2, 64), True),
     ((1, 1000, 1000, 2, 1, 64), False),   # MQA, not a multiple of any tile
     ((1, 1000, 1000, 2, 1, 64), True),
     ((1, 1024, 1024, 2, 2, 32), True),    # 512-wide XLA tiles
@@ -41,8 +40,9 @@ def test_xla_fp32_matches_torch(shape, causal):
   assert_matches_torch(got, torch_step(q, k, v, g, causal=causal), f"{shape} causal={causal}")
 
 
-LENGTH_CASES = [("xla", (77, 130), True), ("xla", (130, 77), False), ("xla", (130, 77), True),
-                ("xla", (77, 130), False), ("pallas", (77, 130), True), ("pallas", (130, 77), False)]
+# Causal with fewer queries than keys is the op table's case "causal q<kv".
+LENGTH_CASES = [("xla", (130, 77), False), ("xla", (130, 77), True), ("xla", (77, 130), False),
+                ("pallas", (130, 77), False)]
 
 
 @pytest.mark.parametrize("impl, lengths, causal", LENGTH_CASES,
@@ -100,25 +100,6 @@ def test_bias_and_its_gradient(impl, bias_shape, pallas_mode):
   want = torch_step(q, k, v, g, bias=bias, causal=True)
   assert got[4].shape == bias.shape
   assert_matches_torch(got, want, f"bias {bias_shape}")
-
-
-# Low precision ---------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("impl, dtype, causal", [
-    ("xla", jnp.bfloat16, True), ("xla", jnp.float16, False), ("pallas", jnp.bfloat16, True),
-    ("pallas", jnp.float16, False)],
-    ids=lambda x: jnp.dtype(x).name if not isinstance(x, (str, bool)) else str(x))
-def test_low_precision_within_twice_torch_error(impl, dtype, causal, pallas_mode):
-  """Against float64, our output and gradients err at most 2x torch's in the same dtype."""
-  shape = (1, 1000, 1000, 2, 1, 64) if impl == "xla" else (1, 77, 77, 2, 1, 64)
-  q, k, v, g = inputs(*shape, dtype=dtype, seed=10)
-  got = jax_step(q, k, v, g, impl, causal=causal)
-  exact = torch_step(q, k, v, g, dtype=torch.float64, causal=causal)
-  torch_low = torch_step(q, k, v, g, causal=causal)
-  for x, e, t, name in zip(got, exact, torch_low, NAMES):
-    assert x.dtype == dtype
-    helpers.assert_within_low_precision_error(x, e, t, k=2.0, what=f"{impl} {name}")
 
 
 # Composition -----------------------------------------------------------------------------------
@@ -183,38 +164,17 @@ def test_residuals_at_most_torch_sdpa():
 
 
 def test_errors_name_the_argument():
+  """The errors the op table's BAD list (tests/cases/attention.py) has no entry for."""
   q = jnp.ones((2, 8, 4, 16))
   kv = jnp.ones((2, 8, 2, 16))
-  with pytest.raises(ValueError, match=r"q must have rank 4, got shape \(8, 4, 16\)"):
-    attention(q[0], kv, kv)
-  with pytest.raises(TypeError, match=r"k must have a floating dtype.*int32"):
-    attention(q, kv.astype(jnp.int32), kv)
-  with pytest.raises(TypeError, match=r"q, k, v must share one dtype.*bfloat16"):
-    attention(q, kv.astype(jnp.bfloat16), kv.astype(jnp.bfloat16))
-  with pytest.raises(ValueError, match=r"k, v must have the same shape"):
-    attention(q, kv, kv[:, :4])
-  with pytest.raises(ValueError, match=r"kv heads of k .*3.* must divide the heads of q"):
-    attention(q, jnp.ones((2, 8, 3, 16)), jnp.ones((2, 8, 3, 16)))
-  with pytest.raises(ValueError, match=r"k must have size 16 on axis 3 \(the head dim of q\)"):
-    attention(q, jnp.ones((2, 8, 2, 8)), jnp.ones((2, 8, 2, 8)))
-  with pytest.raises(ValueError, match=r"k must have size 2 on axis 0 \(the batch size of q\)"):
-    attention(q, kv[:1], kv[:1])
-  with pytest.raises(ValueError, match=r"segment_ids must have shape \(2, 8\), got \(2, 7\)"):
-    attention(q, kv, kv, segment_ids=jnp.zeros((2, 7), jnp.int32))
   with pytest.raises(TypeError, match=r"segment_ids must be an integer array, got float32"):
     attention(q, kv, kv, segment_ids=jnp.zeros((2, 8)))
   with pytest.raises(ValueError, match=r"segment_ids as one array needs q and k of one length"):
     attention(q, kv[:, :5], kv[:, :5], segment_ids=jnp.zeros((2, 8), jnp.int32))
   with pytest.raises(ValueError, match=r"kv_lengths must have shape \(2,\), got \(3,\)"):
     attention(q, kv, kv, kv_lengths=jnp.array([1, 2, 3]))
-  with pytest.raises(TypeError, match=r"kv_lengths must be an integer array, got float32"):
-    attention(q, kv, kv, kv_lengths=jnp.array([1.0, 2.0]))
-  with pytest.raises(ValueError, match=r"bias must have shape .*got shape \(2, 3, 8, 8\)"):
-    attention(q, kv, kv, bias=jnp.zeros((2, 3, 8, 8)))
   with pytest.raises(ValueError, match=r"bias must have rank 4"):
     attention(q, kv, kv, bias=jnp.zeros((8, 8)))
-  with pytest.raises(TypeError, match=r"scale must be a Python float"):
-    attention(q, kv, kv, scale="big")
   with pytest.raises(ValueError, match=r"implementation must be None or one of.*'cuda'"):
     attention(q, kv, kv, implementation="cuda")
   if not helpers.ON_GPU:

@@ -14,7 +14,9 @@ from jaxfuse.ops import linear as linear_ops
 from jaxfuse.remat import mlp as blocks
 from tests import helpers
 
-SHAPES = [((64, 32), 48), ((5, 37, 123), 77), ((1, 3), 1)]
+# Odd sizes, (5, 37, 123) -> 67 with a bias and (37, 123) -> 67 without, are the op table's
+# cases (tests/cases/linear.py), against torch in every dtype.
+SHAPES = [((64, 32), 48), ((1, 3), 1)]
 
 
 def _inputs(x_shape, out, dtype, seed=0):
@@ -41,17 +43,6 @@ def test_fp32_matches_torch_linear(x_shape, out, with_bias):
     want = helpers.torch_value_and_grads(_torch_dense, (x, kernel, bias), g)
   for a, b, what in zip(got, want, ("out", "grad x", "grad kernel", "grad bias")):
     helpers.assert_close(a, b, what=what)
-
-
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=str)
-def test_low_precision_within_twice_torch_error(dtype):
-  x, kernel, bias, g = _inputs((33, 100), 70, dtype, seed=3)
-  got = helpers.jax_value_and_grads(dense, (x, kernel, bias), g)
-  exact = helpers.torch_value_and_grads(_torch_dense, (x, kernel, bias), g, torch.float64)
-  low = helpers.torch_value_and_grads(_torch_dense, (x, kernel, bias), g)
-  for a, e, t, what in zip(got, exact, low, ("out", "grad x", "grad kernel", "grad bias")):
-    assert a.dtype == dtype, what
-    helpers.assert_within_low_precision_error(a, e, t, floor=1e-6, what=what)
 
 
 @pytest.mark.parametrize("min_macs", [0, 1 << 62], ids=["transposed copy", "as is"])

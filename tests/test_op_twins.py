@@ -74,6 +74,12 @@ def test_float32_matches_the_torch_twin(case, impl, dtype, pallas_mode):
 def test_low_precision_within_twice_the_twins_error(case, impl, dtype, pallas_mode):
   args = case.inputs(dtype=jnp.dtype(dtype))
   outs, grads = jax_values_and_grads(case, args, impl)
+  # Every implementation returns the XLA implementation's dtypes (the inputs' for arrays like
+  # the inputs; a loss in float32).
+  f, diff = case.bind(args, "xla")
+  want = jax.eval_shape(lambda d: (lambda out, vjp: (out, vjp(out)))(*jax.vjp(f, *d)), diff)
+  assert [x.dtype for x in jax.tree.leaves((outs, grads))] == [
+      x.dtype for x in jax.tree.leaves(want)], case.id
   cts = cases.cotangents(outs if len(outs) > 1 else outs[0])
   exact = torch_values_and_grads(case, args, cts, torch.float64)
   low = torch_values_and_grads(case, args, cts)

@@ -4,7 +4,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 
 from jaxfuse.metrics import bytes_moved, residual_bytes
 from jaxfuse.ops import recompute_linear
@@ -12,7 +11,9 @@ from jaxfuse.ops.dispatch import ImplementationUnavailableError
 from jaxfuse.testing.torch_ref.seed import RecomputationLayer
 from tests import helpers
 
-SHAPES = [((64, 32), 48), ((5, 37, 123), 77), ((1, 3), 1)]
+# Odd sizes, (5, 37, 123) -> 67 with and without a bias, are the op table's cases
+# (tests/cases/linear.py), against F.linear in every dtype.
+SHAPES = [((64, 32), 48), ((1, 3), 1)]
 
 
 def _inputs(x_shape, out, dtype, seed=0):
@@ -43,30 +44,6 @@ def test_fp32_matches_seed_layer(impl, x_shape, out, pallas_mode):
     helpers.assert_close(got, want, what=what)
 
 
-@pytest.mark.parametrize("impl", helpers.CPU_IMPLEMENTATIONS)
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: jnp.dtype(d).name)
-def test_low_precision_within_twice_torch_error(impl, dtype, pallas_mode):
-  x, w, b, g = _inputs((3, 45, 100), 70, dtype, seed=1)
-  got = _jax(x, w, b, g, impl)
-  exact = _torch(x, w, b, g, torch.float64)
-  low = _torch(x, w, b, g)
-  for ours, e, t, what in zip(got, exact, low, ("out", "dx", "dweight", "dbias")):
-    assert ours.dtype == dtype, what
-    helpers.assert_within_low_precision_error(ours, e, t, what=what)
-
-
-@pytest.mark.parametrize("impl", helpers.CPU_IMPLEMENTATIONS)
-def test_without_bias(impl, pallas_mode):
-  x, w, _, g = _inputs((10, 20), 30, jnp.float32)
-  out, vjp = jax.vjp(lambda x, w: recompute_linear(x, w, implementation=impl), x, w)
-  dx, dw = vjp(g)
-  tx, tw = helpers.to_torch(x, requires_grad=True), helpers.to_torch(w, requires_grad=True)
-  tout = tx @ tw.T
-  tout.backward(helpers.to_torch(g))
-  for got, want in ((out, tout), (dx, tx.grad), (dw, tw.grad)):
-    helpers.assert_close(got, want)
-
-
 def test_keeps_only_its_inputs():
   x, w, b, _ = _inputs((64, 32), 48, jnp.float32)
   assert residual_bytes(lambda x, w, b: jnp.sum(jnp.sin(recompute_linear(x, w, b))), x, w, b) \
@@ -80,17 +57,6 @@ def test_pallas_bytes_moved_follow_the_tiles(pallas_mode):
   moved = bytes_moved(lambda x, w, b: recompute_linear(x, w, b, implementation="pallas"), x, w, b)
   # One tile covers everything here: x, w, b read once, y written once.
   assert moved == x.nbytes + w.nbytes + b.nbytes + 64 * 48 * 4
-
-
-def test_pallas_kernels_lower_for_cuda():
-  x, w, b, _ = _inputs((5, 37, 123), 77, jnp.float32)
-  for dtype in (jnp.float32, jnp.bfloat16):
-    args = [a.astype(dtype) for a in (x, w, b)]
-    step = jax.value_and_grad(
-        lambda x, w, b: jnp.sum(recompute_linear(x, w, b, implementation="pallas") ** 2),
-        argnums=(0, 1, 2))
-    names = helpers.triton_kernel_names(helpers.lower_for_gpu(step, *args))
-    assert sorted(names) == ["linear_dbias", "linear_dweight", "linear_dx", "linear_fwd"]
 
 
 def test_remat_runs_each_kernel_once():
@@ -110,17 +76,10 @@ def test_backward_recomputation_is_fenced_from_the_forward():
 
 
 def test_errors_name_the_argument():
+  """The errors the op table's BAD list (tests/cases/linear.py) has no entry for."""
   x, w, b, _ = _inputs((4, 5), 3, jnp.float32)
-  with pytest.raises(ValueError, match=r"x must have size 5 on axis -1.*got shape \(4, 6\)"):
-    recompute_linear(jnp.ones((4, 6)), w, b)
-  with pytest.raises(ValueError, match=r"bias must have size 3 on axis 0.*got shape \(4,\)"):
-    recompute_linear(x, w, jnp.ones(4))
-  with pytest.raises(ValueError, match=r"weight must have rank 2, got shape \(3, 5, 1\)"):
-    recompute_linear(x, w[..., None], b)
   with pytest.raises(TypeError, match=r"x must have a floating dtype.*int32"):
     recompute_linear(x.astype(jnp.int32), w, b)
-  with pytest.raises(TypeError, match=r"x, weight, bias must share one dtype"):
-    recompute_linear(x, w.astype(jnp.bfloat16), b)
   if not helpers.ON_GPU:
     with pytest.raises(ImplementationUnavailableError, match="Triton kernels need a GPU"):
       recompute_linear(x, w, b, implementation="triton")
