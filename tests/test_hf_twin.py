@@ -22,7 +22,7 @@ import torch
 from flax import nnx
 
 from jaxfuse import interop
-from jaxfuse.models import Decoder, DecoderConfig, next_token_targets
+from jaxfuse.models import Decoder, DecoderConfig, families, next_token_targets
 
 transformers = pytest.importorskip("transformers")
 
@@ -188,7 +188,7 @@ def test_our_save_pretrained_loads_in_transformers(tmp_path, model_type, changes
   model = Decoder(cfg, fused=False, rngs=nnx.Rngs(0))
   interop.save_pretrained(model, tmp_path, model_type=model_type)
   hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
-  assert type(hf).__name__ == interop._hf.ARCHITECTURES[model_type]
+  assert type(hf).__name__ == families.family(model_type).architecture
   assert hf.config.tie_word_embeddings == cfg.tie_embeddings
   if cfg.tie_embeddings:
     assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()

@@ -141,10 +141,13 @@ def test_hf_configs_map_and_unsupported_fields_are_refused():
       vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))
   assert qwen.qkv_bias and not qwen.o_bias and qwen.tie_embeddings
-  llama = hf.to_dict() | {"model_type": "llama"}
-  for field, value in [("hidden_act", "gelu"), ("attention_dropout", 0.1),
-                       ("rope_parameters", {"rope_type": "llama3", "rope_theta": 5e5,
+  llama = {k: v for k, v in hf.to_dict().items() if k != "sliding_window"} | {
+      "model_type": "llama"}
+  for field, value in [("hidden_act", "gelu_fast"), ("attention_dropout", 0.1),
+                       ("rope_parameters", {"rope_type": "proportional", "rope_theta": 5e5,
                                             "factor": 8.0}),
+                       ("rope_parameters", {"rope_type": "llama3", "rope_theta": 5e5,
+                                            "factor": 8.0}),   # lacks the frequency factors
                        ("some_new_field", 3)]:
     with pytest.raises(UnsupportedConfigError, match=field):
       DecoderConfig.from_hf({**llama, field: value})

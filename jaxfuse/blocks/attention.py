@@ -20,7 +20,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxfuse import parallel
 from jaxfuse.ops import dot_product_attention, names, rotary_embedding
-from jaxfuse.ops.flash_attention import attention
+from jaxfuse.ops.flash_attention import attention, attention_reference
 
 
 def head_dim(owner: str, num_heads: int, num_kv_heads: int, qkv_features: int, *,
@@ -117,14 +117,18 @@ def merge_heads(x: jax.Array) -> jax.Array:
 
 
 def causal_attention(query: jax.Array, key: jax.Array, value: jax.Array, *, fused: bool,
-                     sliding_window: int | None = None,
+                     sliding_window: int | None = None, scale: float | None = None,
+                     logit_softcap: float | None = None,
                      implementation: str | None = None) -> jax.Array:
   """Causal self-attention of rotated heads ``[batch, seq, heads, head_dim]`` (keys and values
-  may have fewer heads), each query seeing at most ``sliding_window`` keys (itself included).
+  may have fewer heads), each query seeing at most ``sliding_window`` keys (itself included),
+  the scores scaled by ``scale`` (default ``1 / sqrt(head_dim)``) and soft-capped by
+  ``logit_softcap``.
 
   ``fused``: :func:`jaxfuse.ops.attention` (keeps its output and log-sum-exp, never the
   scores), or, where the mesh splits the sequence (context parallelism), jaxfuse's ring
-  attention. Otherwise ``jax.nn.dot_product_attention`` in XLA, its output named
+  attention. Otherwise ``jax.nn.dot_product_attention`` in XLA (the scores written out, as
+  :func:`jaxfuse.ops.attention_reference` does, with a soft-cap), its output named
   ``attn.out`` (the baseline).
 
   Example:
@@ -135,15 +139,20 @@ def causal_attention(query: jax.Array, key: jax.Array, value: jax.Array, *, fuse
     (1, 6, 4, 8)
   """
   if parallel.mesh_size("seq") > 1:
-    if not fused or sliding_window is not None:
+    if not fused or sliding_window is not None or logit_softcap is not None:
       raise ValueError("Decoder: a sequence split over the mesh (context parallelism) runs "
-                       "jaxfuse's ring attention: it needs fused=True and no sliding window")
-    return parallel.context_parallel_attention(query, key, value, causal=True,
+                       "jaxfuse's ring attention: it needs fused=True, no sliding window and "
+                       "no logit soft-cap")
+    return parallel.context_parallel_attention(query, key, value, causal=True, scale=scale,
                                                implementation=implementation)
   if fused:
-    return attention(query, key, value, causal=True, sliding_window=sliding_window,
-                     implementation=implementation)
-  local = None if sliding_window is None else (sliding_window - 1, 0)
-  out = jax.nn.dot_product_attention(query, key, value, is_causal=True,
-                                     local_window_size=local, implementation="xla")
+    return attention(query, key, value, causal=True, scale=scale, sliding_window=sliding_window,
+                     logit_softcap=logit_softcap, implementation=implementation)
+  if logit_softcap is not None:
+    out = attention_reference(query, key, value, causal=True, scale=scale,
+                              sliding_window=sliding_window, logit_softcap=logit_softcap)
+  else:
+    local = None if sliding_window is None else (sliding_window - 1, 0)
+    out = jax.nn.dot_product_attention(query, key, value, is_causal=True, scale=scale,
+                                       local_window_size=local, implementation="xla")
   return checkpoint_name(out, names.ATTN_OUT)

@@ -1,11 +1,15 @@
-"""Hugging Face LLaMA / Mistral / Qwen2 checkpoints to and from :class:`jaxfuse.models.Decoder`.
+"""Hugging Face checkpoints of the supported families (:mod:`jaxfuse.models.families`: LLaMA,
+Mistral, Qwen2/3, Gemma 2/3, Phi-3, OLMo 2) to and from :class:`jaxfuse.models.Decoder`.
 
 The decoder's parameters map one to one onto a ``*ForCausalLM`` state dict
-(:func:`hf_param_map`): ``model.embed_tokens.weight``, per layer ``model.layers.{i}.``
-``input_layernorm.weight``, ``self_attn.{q,k,v,o}_proj.{weight,bias}``,
-``post_attention_layernorm.weight``, ``mlp.{gate,up,down}_proj.{weight,bias}``, then
-``model.norm.weight`` and ``lm_head.weight`` (absent when the embeddings are tied). Linear
-weights are transposed (torch ``[out, in]``, flax ``[in, out]``); the rest keep their layout.
+(:func:`hf_param_map`): ``model.embed_tokens.weight``, per layer ``model.layers.{i}.`` the
+norms of the family's placement (``input_layernorm``, ``post_attention_layernorm``,
+``pre_feedforward_layernorm``, ``post_feedforward_layernorm``), ``self_attn.{q,k,v,o}_proj``
+(and ``q_norm``, ``k_norm``), ``mlp.{gate,up,down}_proj``, then ``model.norm.weight`` and
+``lm_head.weight`` (absent when the embeddings are tied). Linear weights are transposed (torch
+``[out, in]``, flax ``[in, out]``); the rest keep their layout. Phi-3 checkpoints fuse q, k and v
+into ``qkv_proj`` and gate and up into ``gate_up_proj``: they are split on load and fused on
+save.
 
 Checkpoint directories are read with ``safetensors`` alone (no ``transformers`` model class is
 imported; ``transformers``' config classes supply the defaults of fields a ``config.json``
@@ -31,8 +35,6 @@ from jaxfuse.interop._torch_maps import TorchParam
 SAFETENSORS_NAME = "model.safetensors"
 SAFETENSORS_INDEX_NAME = "model.safetensors.index.json"
 CONFIG_NAME = "config.json"
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM"}
 
 # safetensors dtype names -> numpy dtypes (bfloat16 is ml_dtypes', which jax uses).
 _SAFETENSORS_DTYPES = {
@@ -69,18 +71,23 @@ def hf_param_map(cfg) -> dict[tuple, TorchParam]:
     >>> len(hf_param_map(cfg)), len(hf_param_map(cfg.replace(tie_embeddings=True)))
     (12, 11)
   """
+  from jaxfuse.models.decoder_block import NORMS
+
   out = {("embed_tokens", "embedding"): ("model.embed_tokens.weight", False)}
   attention = {name: cfg.o_bias if name == "o_proj" else cfg.qkv_bias
                for name in ("q_proj", "k_proj", "v_proj", "o_proj")}
   norm = torch_names.norm_torch_params(use_scale=True, use_bias=False)
+  attention_params = torch_names.linear_torch_params(attention)
+  if cfg.qk_norm is not None:
+    for name in ("q_norm", "k_norm"):
+      attention_params.update(torch_names.prefixed(norm, (name,), f"{name}."))
   for i in range(cfg.num_layers):
     layer, prefix = ("layers", i), f"model.layers.{i}."
-    out.update(torch_names.prefixed(norm, layer + ("input_layernorm",),
-                                    prefix + "input_layernorm."))
-    out.update(torch_names.prefixed(torch_names.linear_torch_params(attention),
-                                    layer + ("self_attn",), prefix + "self_attn."))
-    out.update(torch_names.prefixed(norm, layer + ("post_attention_layernorm",),
-                                    prefix + "post_attention_layernorm."))
+    for name in NORMS[cfg.norm_placement]:
+      if name is not None:
+        out.update(torch_names.prefixed(norm, layer + (name,), prefix + name + "."))
+    out.update(torch_names.prefixed(attention_params, layer + ("self_attn",),
+                                    prefix + "self_attn."))
     out.update(torch_names.prefixed(mlp_blocks.torch_params(mlp_blocks.GATED, cfg.mlp_bias),
                                     layer + ("mlp",), prefix + "mlp."))
   out.update(torch_names.prefixed(norm, ("norm",), "model.norm."))
@@ -88,6 +95,66 @@ def hf_param_map(cfg) -> dict[tuple, TorchParam]:
     out.update(torch_names.prefixed(torch_names.lm_head_torch_params(True, False), ("lm_head",),
                                     "lm_head."))
   return _torch_maps.entries(out)
+
+
+# Phi-3's fused projections: the fused key -> the separate keys, in order, and how to size them.
+_FUSED = {"self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                        "self_attn.v_proj.weight"),
+          "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight")}
+
+
+def _fused_sizes(cfg, fused_key: str) -> list[int]:
+  if fused_key.startswith("self_attn"):
+    return [cfg.num_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim,
+            cfg.kv_heads * cfg.head_dim]
+  return [cfg.mlp_dim, cfg.mlp_dim]
+
+
+def _fuses_projections(cfg) -> bool:
+  from jaxfuse.models import families
+
+  return families.BY_TYPE[cfg.model_type].fused_projections
+
+
+def split_fused(cfg, state_dict: Mapping) -> dict:
+  """A Phi-3 state dict with ``qkv_proj`` and ``gate_up_proj`` split into the separate
+  projections (their rows: q, k, v; gate, up); other families' unchanged."""
+  if not _fuses_projections(cfg):
+    return dict(state_dict)
+  out = {}
+  for key, value in state_dict.items():
+    suffix = next((f for f in _FUSED if key.endswith(f)), None)
+    if suffix is None:
+      out[key] = value
+      continue
+    array = _torch_maps.to_numpy(value)
+    sizes = _fused_sizes(cfg, suffix)
+    if array.shape[0] != sum(sizes):
+      raise ValueError(f"state_dict: {key} has {array.shape[0]} rows, the config's "
+                       f"{' + '.join(map(str, sizes))}")
+    prefix = key[:-len(suffix)]
+    for name, part in zip(_FUSED[suffix], np.split(array, np.cumsum(sizes)[:-1])):
+      out[prefix + name] = part
+  return out
+
+
+def fuse_projections(cfg, state_dict: Mapping) -> dict:
+  """The inverse of :func:`split_fused`: Phi-3's fused ``qkv_proj`` and ``gate_up_proj``."""
+  if not _fuses_projections(cfg):
+    return dict(state_dict)
+  out = dict(state_dict)
+  for i in range(cfg.num_layers):
+    prefix = f"model.layers.{i}."
+    for fused, parts in _FUSED.items():
+      arrays = [out.pop(prefix + p) for p in parts]
+      torch_like = not isinstance(arrays[0], np.ndarray)
+      if torch_like:
+        import torch
+
+        out[prefix + fused] = torch.cat(arrays, dim=0)
+      else:
+        out[prefix + fused] = np.concatenate(arrays, axis=0)
+  return out
 
 
 def decoder_params_or_none(module):
@@ -128,7 +195,7 @@ def _canonical_keys(model, state_dict: Mapping) -> dict:
 
 
 def load_hf_state_dict(model, state_dict: Mapping, *, strict: bool = True) -> None:
-  """Copies a Hugging Face LLaMA / Mistral / Qwen2 state dict into a decoder, in place.
+  """Copies a Hugging Face state dict of a supported family into a decoder, in place.
 
   Args:
     model: a :class:`jaxfuse.models.Decoder` whose config matches the checkpoint's.
@@ -166,7 +233,8 @@ def load_hf_state_dict(model, state_dict: Mapping, *, strict: bool = True) -> No
     load_hf_state_dict(unrolled, state_dict, strict=strict)
     nnx.update(model, nnx.state(unrolled.with_layers(True)))
     return
-  _torch_maps.load_torch_state_dict(model, _canonical_keys(model, state_dict), strict=strict,
+  state_dict = split_fused(model.cfg, _canonical_keys(model, state_dict))
+  _torch_maps.load_torch_state_dict(model, state_dict, strict=strict,
                                     mapping=hf_param_map(model.cfg))
 
 
@@ -193,7 +261,8 @@ def hf_state_dict(model, *, as_torch: bool = False) -> dict:
   _check_decoder(model, "hf_state_dict")
   if getattr(model, "scan_layers", False):
     model = model.with_layers(False)
-  return _torch_maps.torch_state_dict(model, as_torch=as_torch, mapping=hf_param_map(model.cfg))
+  state = _torch_maps.torch_state_dict(model, as_torch=as_torch, mapping=hf_param_map(model.cfg))
+  return fuse_projections(model.cfg, state)
 
 
 # Checkpoint files --------------------------------------------------------------------------------
@@ -264,7 +333,7 @@ def _decoder_from(cfg, state_dict: Mapping, *, fused: bool, remat, implementatio
 
 def from_pretrained(source, *, fused: bool = True, remat=None,
                     implementation: str | None = None, scan_layers: bool = False, **overrides):
-  """A :class:`jaxfuse.models.Decoder` from a Hugging Face LLaMA / Mistral / Qwen2 checkpoint.
+  """A :class:`jaxfuse.models.Decoder` from a Hugging Face checkpoint of a supported family.
 
   Args:
     source: a ``save_pretrained`` directory (``config.json`` and ``model.safetensors``, or
@@ -317,7 +386,7 @@ def from_pretrained(source, *, fused: bool = True, remat=None,
                        scan_layers=scan_layers)
 
 
-def save_pretrained(model, path: str | os.PathLike, model_type: str = "llama") -> None:
+def save_pretrained(model, path: str | os.PathLike, model_type: str | None = None) -> None:
   """Writes a decoder as a Hugging Face checkpoint directory that
   ``transformers.AutoModelForCausalLM.from_pretrained(path)`` loads.
 
@@ -329,17 +398,21 @@ def save_pretrained(model, path: str | os.PathLike, model_type: str = "llama") -
   Args:
     model: a :class:`jaxfuse.models.Decoder`.
     path: the directory (created if needed).
-    model_type: ``"llama"``, ``"mistral"`` or ``"qwen2"``; the config must be expressible in it
-      (e.g. q/k/v biases without an output bias are Qwen2's).
+    model_type: a family of :data:`jaxfuse.models.families.FAMILIES` (default: the config's
+      own); the config must be expressible in it (e.g. q/k/v biases without an output bias
+      are Qwen2's).
 
   Raises:
     ValueError: the config cannot be written as ``model_type``.
   """
   import safetensors.numpy
 
+  from jaxfuse.models import families
+
   _check_decoder(model, "save_pretrained")
+  model_type = model_type or model.cfg.model_type
   hf_config = model.cfg.to_hf(model_type)
-  hf_config.architectures = [ARCHITECTURES[model_type]]
+  hf_config.architectures = [families.family(model_type).architecture]
   hf_config.dtype = jnp.dtype(model.cfg.param_dtype).name
   directory = Path(path)
   directory.mkdir(parents=True, exist_ok=True)
@@ -349,5 +422,8 @@ def save_pretrained(model, path: str | os.PathLike, model_type: str = "llama") -
       (directory / shard).unlink(missing_ok=True)
     index.unlink()
   hf_config.save_pretrained(directory)
-  safetensors.numpy.save_file(hf_state_dict(model), directory / SAFETENSORS_NAME,
-                              metadata={"format": "pt"})
+  state = hf_state_dict(model.with_layers(False) if model.scan_layers else model)
+  if model_type != model.cfg.model_type:   # the weights as the written family stores them
+    state = fuse_projections(model.cfg.replace(model_type=model_type),
+                             split_fused(model.cfg, state))
+  safetensors.numpy.save_file(state, directory / SAFETENSORS_NAME, metadata={"format": "pt"})

@@ -1,71 +1,82 @@
 """The configuration of :class:`jaxfuse.models.Decoder`, and its mapping from and to Hugging
-Face ``transformers`` configs (LLaMA, Mistral, Qwen2).
+Face ``transformers`` configs (the families of :mod:`jaxfuse.models.families`).
 
 Example:
   >>> from jaxfuse.models import DecoderConfig
   >>> cfg = DecoderConfig(vocab_size=256, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2,
   ...                     mlp_dim=128)
-  >>> cfg.head_dim, cfg.kv_heads
-  (16, 2)
+  >>> cfg.head_dim, cfg.kv_heads, cfg.layer_kind(0)
+  (16, 2, 'full')
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
 import jax.numpy as jnp
 
-# Hugging Face model types whose configs map onto DecoderConfig.
-HF_MODEL_TYPES = ("llama", "mistral", "qwen2")
-
-# HF config fields that describe the model's computation, mapped onto DecoderConfig fields
-# (several map to one; see DecoderConfig.from_hf for how each is read).
-HF_SUPPORTED_FIELDS = frozenset({
-    "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-    "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps",
-    "rope_parameters", "rope_theta", "rope_scaling", "tie_word_embeddings", "attention_bias",
-    "mlp_bias", "sliding_window", "use_sliding_window", "max_window_layers", "layer_types",
-    "attention_dropout", "pretraining_tp", "max_position_embeddings", "initializer_range",
-})
-# HF config fields that do not change what the model computes.
-HF_IGNORED_FIELDS = frozenset({
-    "transformers_version", "architectures", "output_hidden_states", "output_attentions",
-    "return_dict", "dtype", "torch_dtype", "chunk_size_feed_forward", "is_encoder_decoder",
-    "id2label", "label2id", "problem_type", "use_cache", "pad_token_id", "bos_token_id",
-    "eos_token_id", "_name_or_path", "tokenizer_class", "prefix", "sep_token_id",
-    "decoder_start_token_id", "task_specific_params", "finetuning_task", "tie_encoder_decoder",
-    "add_cross_attention", "cross_attention_hidden_size", "is_decoder", "pruned_heads",
-    "torchscript", "_attn_implementation_autoset", "_commit_hash", "bad_words_ids",
-    "return_dict_in_generate", "tf_legacy_loss", "use_bfloat16",
-})
+NORM_PLACEMENTS = ("pre", "sandwich", "post")
+QK_NORMS = (None, "head", "projection")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 class UnsupportedConfigError(ValueError):
   """A Hugging Face config asks for something the decoder does not compute."""
 
 
+def freeze(value):
+  """``value`` hashable: dicts as sorted ``(key, value)`` tuples, lists as tuples."""
+  if isinstance(value, Mapping):
+    return tuple(sorted((k, freeze(v)) for k, v in value.items()))
+  if isinstance(value, (list, tuple)):
+    return tuple(freeze(v) for v in value)
+  return value
+
+
 @dataclasses.dataclass(frozen=True)
 class DecoderConfig:
-  """A LLaMA-family decoder: pre-norm blocks of attention (GQA, rotary) and a SwiGLU MLP.
+  """A decoder: blocks of attention (GQA, rotary) and a gated MLP, with the options of the
+  open model families (:mod:`jaxfuse.models.families`).
 
   Attributes:
     vocab_size: V.
     d_model: the residual stream's width.
     num_layers: decoder blocks.
     num_heads: query heads.
+    mlp_dim: the MLP's hidden width.
     num_kv_heads: key/value heads (default ``num_heads``; fewer gives GQA, 1 gives MQA).
     head_dim: per head (default ``d_model // num_heads``).
-    mlp_dim: the MLP's hidden width.
     rms_norm_eps: RMSNorm's epsilon.
     rope_theta: the rotary embedding's base.
+    rope_type: the rotary embedding's scaling (:class:`jaxfuse.blocks.rope.Rope`): ``default``,
+      ``linear``, ``dynamic``, ``llama3``, ``yarn`` or ``longrope``.
+    rope_params: its other parameters, as sorted ``(key, value)`` pairs (``factor``, ...).
+    rope_local_theta: the rotary base of the sliding-window layers, where it differs (Gemma 3).
     tie_embeddings: the LM head reads the input embedding table.
     qkv_bias: the q, k and v projections have biases (Qwen2).
     o_bias: the output projection has a bias (LLaMA's ``attention_bias``).
     mlp_bias: the MLP's projections have biases.
-    sliding_window: each query sees at most this many keys, itself included (Mistral).
-    max_seq_len: the longest sequence the KV cache holds.
+    sliding_window: each query of a sliding-window layer sees at most this many keys, itself
+      included.
+    layer_types: ``"full_attention"`` or ``"sliding_attention"`` per layer (None: every layer
+      sliding when ``sliding_window`` is set, as Mistral, else full).
+    qk_norm: RMSNorm of the queries and keys before the rotation: ``"head"`` (each head:
+      Qwen3, Gemma 3) or ``"projection"`` (all heads together: OLMo 2); None: none.
+    norm_placement: ``"pre"`` (a norm before attention and before the MLP: LLaMA),
+      ``"sandwich"`` (before and after each: Gemma 2 and 3) or ``"post"`` (after each: OLMo 2).
+    norm_scale_offset: the norms multiply by ``scale + offset`` (Gemma's ``1 + w``: 1.0).
+    activation: the gated MLP's activation (``"silu"``; Gemma's ``"gelu_tanh"``).
+    embed_scale: the embeddings are multiplied by ``sqrt(d_model)`` (in the model's dtype, as
+      Gemma does).
+    query_scale: attention's score scale (default ``1 / sqrt(head_dim)``; Gemma's
+      ``query_pre_attn_scalar ** -0.5``).
+    attn_logit_softcap: attention scores ``c * tanh(s / c)`` (Gemma 2).
+    final_logit_softcap: the logits ``c * tanh(z / c)`` (Gemma 2).
+    model_type: the Hugging Face family it was read from or is written as.
+    max_seq_len: the longest sequence (Hugging Face's ``max_position_embeddings``).
     initializer_range: the standard deviation of the weights' normal initializer.
     dtype: the computation dtype.
     param_dtype: the parameters' dtype.
@@ -80,11 +91,24 @@ class DecoderConfig:
   head_dim: int | None = None
   rms_norm_eps: float = 1e-6
   rope_theta: float = 10000.0
+  rope_type: str = "default"
+  rope_params: tuple = ()
+  rope_local_theta: float | None = None
   tie_embeddings: bool = False
   qkv_bias: bool = False
   o_bias: bool = False
   mlp_bias: bool = False
   sliding_window: int | None = None
+  layer_types: tuple[str, ...] | None = None
+  qk_norm: str | None = None
+  norm_placement: str = "pre"
+  norm_scale_offset: float = 0.0
+  activation: str = "silu"
+  embed_scale: bool = False
+  query_scale: float | None = None
+  attn_logit_softcap: float | None = None
+  final_logit_softcap: float | None = None
+  model_type: str = "llama"
   max_seq_len: int = 2048
   initializer_range: float = 0.02
   dtype: Any = jnp.float32
@@ -98,32 +122,82 @@ class DecoderConfig:
     if self.head_dim is None and isinstance(self.num_heads, int) and self.num_heads > 0 \
         and self.d_model % self.num_heads == 0:
       object.__setattr__(self, "head_dim", self.d_model // self.num_heads)
+    object.__setattr__(self, "rope_params", freeze(dict(self.rope_params)))
+    if self.layer_types is not None:
+      object.__setattr__(self, "layer_types", tuple(self.layer_types))
+    self._check()
+
+  def _check(self):
+    def fail(message):
+      raise ValueError(f"DecoderConfig: {message}")
+
     positive = ("vocab_size", "d_model", "num_layers", "num_heads", "mlp_dim", "max_seq_len")
     for name in positive:
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"DecoderConfig: {name} must be a positive int, got {value!r}")
+        fail(f"{name} must be a positive int, got {value!r}")
     for name in ("num_kv_heads", "head_dim", "sliding_window"):
       value = getattr(self, name)
       if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                 or value < 1):
-        raise ValueError(f"DecoderConfig: {name} must be None or a positive int, got {value!r}")
+        fail(f"{name} must be None or a positive int, got {value!r}")
     if self.num_heads % self.kv_heads:
-      raise ValueError(f"DecoderConfig: num_kv_heads ({self.kv_heads}) must divide num_heads "
-                       f"({self.num_heads})")
+      fail(f"num_kv_heads ({self.kv_heads}) must divide num_heads ({self.num_heads})")
     if self.head_dim is None:
-      raise ValueError(f"DecoderConfig: d_model ({self.d_model}) must be divisible by "
-                       f"num_heads ({self.num_heads}), or give head_dim")
+      fail(f"d_model ({self.d_model}) must be divisible by num_heads ({self.num_heads}), or "
+           f"give head_dim")
     if self.head_dim % 2:
-      raise ValueError(f"DecoderConfig: the rotary embedding needs an even head_dim, got "
-                       f"{self.head_dim}")
+      fail(f"the rotary embedding needs an even head_dim, got {self.head_dim}")
     if not self.rms_norm_eps >= 0 or not self.rope_theta > 0:
-      raise ValueError(f"DecoderConfig: rms_norm_eps must be >= 0 and rope_theta > 0, got "
-                       f"{self.rms_norm_eps} and {self.rope_theta}")
+      fail(f"rms_norm_eps must be >= 0 and rope_theta > 0, got {self.rms_norm_eps} and "
+           f"{self.rope_theta}")
+    if self.norm_placement not in NORM_PLACEMENTS:
+      fail(f"norm_placement must be one of {NORM_PLACEMENTS}, got {self.norm_placement!r}")
+    if self.qk_norm not in QK_NORMS:
+      fail(f"qk_norm must be one of {QK_NORMS}, got {self.qk_norm!r}")
+    if self.layer_types is not None:
+      if len(self.layer_types) != self.num_layers or set(self.layer_types) - set(LAYER_TYPES):
+        fail(f"layer_types must give one of {LAYER_TYPES} per layer ({self.num_layers}), got "
+             f"{self.layer_types}")
+      if "sliding_attention" in self.layer_types and self.sliding_window is None:
+        fail("sliding_attention layers need a sliding_window")
+    for name in ("query_scale", "attn_logit_softcap", "final_logit_softcap"):
+      value = getattr(self, name)
+      if value is not None and not value > 0:
+        fail(f"{name} must be None or > 0, got {value!r}")
+    self.rope()   # checks the rotary parameters
 
   @property
   def kv_heads(self) -> int:
     return self.num_kv_heads
+
+  def layer_kind(self, i: int) -> str:
+    """``"sliding"`` or ``"full"``: the attention of layer ``i``."""
+    if self.layer_types is None:
+      return "full" if self.sliding_window is None else "sliding"
+    return "sliding" if self.layer_types[i] == "sliding_attention" else "full"
+
+  @property
+  def layer_kinds(self) -> tuple[str, ...]:
+    return tuple(self.layer_kind(i) for i in range(self.num_layers))
+
+  def window(self, kind: str) -> int | None:
+    """The sliding window of a layer of ``kind`` (None: full attention)."""
+    return self.sliding_window if kind == "sliding" else None
+
+  def rope(self, kind: str = "full"):
+    """The rotary embedding of a layer of ``kind`` (:class:`jaxfuse.blocks.rope.Rope`): the
+    sliding-window layers' own base, where the config has one, with the default rotation."""
+    from jaxfuse.blocks.rope import Rope
+
+    if kind == "sliding" and self.rope_local_theta is not None:
+      return Rope(self.head_dim, "default", self.rope_local_theta, (), self.max_seq_len)
+    return Rope(self.head_dim, self.rope_type, self.rope_theta, self.rope_params,
+                self.max_seq_len)
+
+  @property
+  def attention_scale(self) -> float:
+    return self.query_scale if self.query_scale is not None else 1.0 / math.sqrt(self.head_dim)
 
   def replace(self, **changes) -> DecoderConfig:
     return dataclasses.replace(self, **changes)
@@ -132,6 +206,7 @@ class DecoderConfig:
     out = dataclasses.asdict(self)
     out["dtype"] = jnp.dtype(self.dtype).name
     out["param_dtype"] = jnp.dtype(self.param_dtype).name
+    out["rope_params"] = _thaw(self.rope_params)
     return out
 
   @classmethod
@@ -150,101 +225,29 @@ class DecoderConfig:
 
   @classmethod
   def from_hf(cls, hf_config, **overrides) -> DecoderConfig:
-    """The config of a ``transformers`` LLaMA, Mistral or Qwen2 config (or its ``to_dict()``).
+    """The config of a ``transformers`` config of a supported family (or its ``to_dict()``).
 
-    Every field that changes what the model computes is either mapped or refused: a field
-    outside :data:`HF_SUPPORTED_FIELDS` and :data:`HF_IGNORED_FIELDS` whose value differs from
-    the model type's default, or a supported field with a value the decoder does not compute
-    (another activation, rope scaling, dropout, per-layer sliding windows), raises
-    :class:`UnsupportedConfigError` naming it. ``overrides`` set jaxfuse-only fields
-    (``dtype``, ``param_dtype``, ``max_seq_len``).
+    Every field that changes what the model computes is either mapped or refused: a field the
+    family does not map whose value differs from the family's default, or a mapped field with
+    a value the decoder does not compute, raises :class:`UnsupportedConfigError` naming it.
+    ``overrides`` set jaxfuse-only fields (``dtype``, ``param_dtype``, ``max_seq_len``).
     """
-    values = hf_config if isinstance(hf_config, Mapping) else hf_config.to_dict()
-    model_type = values.get("model_type")
-    if model_type not in HF_MODEL_TYPES:
-      raise UnsupportedConfigError(f"model_type {model_type!r} is not supported; supported: "
-                                   f"{HF_MODEL_TYPES}")
-    defaults = _hf_defaults(model_type)
-    for key, value in values.items():
-      if key in HF_SUPPORTED_FIELDS or key in HF_IGNORED_FIELDS:
-        continue
-      if key not in defaults or defaults[key] != value:
-        raise UnsupportedConfigError(f"HF config field {key!r} = {value!r} is not supported")
+    from jaxfuse.models import families
 
-    def refuse(field, value, why):
-      raise UnsupportedConfigError(f"HF config field {field!r} = {value!r}: {why}")
+    return cls(**families.read_hf(hf_config)).replace(**overrides)
 
-    get = lambda key, default=None: values.get(key, defaults.get(key, default))  # noqa: E731
-    if get("hidden_act", "silu") != "silu":
-      refuse("hidden_act", get("hidden_act"), "only 'silu' (SwiGLU) is supported")
-    if get("attention_dropout", 0.0):
-      refuse("attention_dropout", get("attention_dropout"), "dropout is not supported")
-    if get("pretraining_tp", 1) != 1:
-      refuse("pretraining_tp", get("pretraining_tp"), "only 1 is supported")
-    rope = get("rope_parameters") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default" or get("rope_scaling"):
-      refuse("rope_parameters", rope, "only the default rotary embedding is supported")
-    theta = rope.get("rope_theta", get("rope_theta", 10000.0))
-    sliding = None
-    if model_type == "mistral":
-      sliding = get("sliding_window")
-    elif model_type == "qwen2" and get("use_sliding_window", False):
-      refuse("use_sliding_window", True, "Qwen2's per-layer sliding windows are not supported")
-    layer_types = get("layer_types")
-    if layer_types and any(t != "full_attention" for t in layer_types) and sliding is None:
-      refuse("layer_types", layer_types, "only full attention layers are supported")
-    heads = get("num_attention_heads")
-    config = cls(
-        vocab_size=get("vocab_size"), d_model=get("hidden_size"),
-        num_layers=get("num_hidden_layers"), num_heads=heads,
-        num_kv_heads=get("num_key_value_heads") or heads,
-        head_dim=get("head_dim") or get("hidden_size") // heads, mlp_dim=get("intermediate_size"),
-        rms_norm_eps=float(get("rms_norm_eps")), rope_theta=float(theta),
-        tie_embeddings=bool(get("tie_word_embeddings", False)),
-        qkv_bias=model_type == "qwen2" or bool(get("attention_bias", False)),
-        o_bias=model_type == "llama" and bool(get("attention_bias", False)),
-        mlp_bias=bool(get("mlp_bias", False)), sliding_window=sliding,
-        max_seq_len=int(get("max_position_embeddings", 2048)),
-        initializer_range=float(get("initializer_range", 0.02)))
-    return config.replace(**overrides)
+  def to_hf(self, model_type: str | None = None):
+    """The ``transformers`` config of this model as ``model_type`` (default: its own)."""
+    from jaxfuse.models import families
 
-  def to_hf(self, model_type: str = "llama"):
-    """The ``transformers`` config of this model (``llama``, ``mistral`` or ``qwen2``)."""
-    import transformers
-
-    if model_type not in HF_MODEL_TYPES:
-      raise ValueError(f"to_hf: model_type must be one of {HF_MODEL_TYPES}, got {model_type!r}")
-    common = dict(vocab_size=self.vocab_size, hidden_size=self.d_model,
-                  intermediate_size=self.mlp_dim, num_hidden_layers=self.num_layers,
-                  num_attention_heads=self.num_heads, num_key_value_heads=self.kv_heads,
-                  head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps,
-                  rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
-                  tie_word_embeddings=self.tie_embeddings, hidden_act="silu",
-                  max_position_embeddings=self.max_seq_len,
-                  initializer_range=self.initializer_range)
-    if model_type == "llama":
-      if self.qkv_bias != self.o_bias or self.sliding_window is not None:
-        raise ValueError("to_hf: a LLaMA config has biases on all four attention projections or "
-                         "none, and no sliding window")
-      return transformers.LlamaConfig(**common, attention_bias=self.qkv_bias,
-                                      mlp_bias=self.mlp_bias)
-    if self.mlp_bias or self.o_bias:
-      raise ValueError(f"to_hf: a {model_type} config has no MLP or output-projection bias")
-    if model_type == "mistral":
-      if self.qkv_bias:
-        raise ValueError("to_hf: a Mistral config has no q/k/v biases")
-      return transformers.MistralConfig(**common, sliding_window=self.sliding_window)
-    if not self.qkv_bias or self.sliding_window is not None:
-      raise ValueError("to_hf: a Qwen2 config has q/k/v biases and no sliding window here")
-    return transformers.Qwen2Config(**common)
+    return families.write_hf(self, model_type or self.model_type)
 
 
-def _hf_defaults(model_type: str) -> dict:
-  try:
-    import transformers
-  except ImportError:  # without transformers, only the fields above are known
-    return {}
-  cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
-         "qwen2": transformers.Qwen2Config}[model_type]
-  return cls().to_dict()
+def _thaw(value):
+  """:func:`freeze` undone for a rope parameter table: pairs to a dict, tuples to lists."""
+  if isinstance(value, tuple) and all(isinstance(p, tuple) and len(p) == 2
+                                      and isinstance(p[0], str) for p in value):
+    return {k: _thaw(v) for k, v in value}
+  if isinstance(value, tuple):
+    return [_thaw(v) for v in value]
+  return value

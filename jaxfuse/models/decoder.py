@@ -120,6 +120,7 @@ class Decoder(LayerStack, nnx.Module):
     self.lm_head = jnnx.LMHead(
         cfg.d_model, cfg.vocab_size, tie_to=self.embed_tokens if cfg.tie_embeddings else None,
         dtype=cfg.dtype, param_dtype=cfg.param_dtype, ignore_index=IGNORE_INDEX,
+        logit_softcap=cfg.final_logit_softcap,
         kernel_init=nnx.initializers.normal(cfg.initializer_range),
         grad_in_forward=grad_in_forward, implementation=implementation, rngs=rngs)
     self.set_remat(remat, segments)
@@ -143,27 +144,33 @@ class Decoder(LayerStack, nnx.Module):
     fused and no block is recomputed, ``(pending, stream)``, so that each residual add is fused
     with the RMSNorm after it across the blocks' boundary; otherwise the embedded tokens, the
     one array a recomputed block keeps."""
-    h = parallel.constrain(self._embed(tokens), *STREAM)
+    h = parallel.constrain(self.embed(tokens), *STREAM)
     return (jnp.zeros_like(h), h) if self._pending_carry else h
 
-  def _embed(self, tokens):
-    """The embedded tokens: vocab-parallel where the mesh splits the vocabulary."""
+  def embed(self, tokens: jax.Array) -> jax.Array:
+    """The embedded tokens (times ``sqrt(d_model)`` in their dtype where the family scales
+    them, as Gemma does): vocab-parallel where the mesh splits the vocabulary."""
     if parallel.mesh_size("vocab") == 1:
-      return self.embed_tokens(tokens)
-    table = self.embed_tokens.embedding[...]
-    return parallel.embed(table.astype(self.cfg.dtype or table.dtype), tokens, STREAM)
+      h = self.embed_tokens(tokens)
+    else:
+      table = self.embed_tokens.embedding[...]
+      h = parallel.embed(table.astype(self.cfg.dtype or table.dtype), tokens, STREAM)
+    if self.cfg.embed_scale:
+      h = h * jnp.asarray(self.cfg.d_model ** 0.5, h.dtype)
+    return h
 
   @property
   def _pending_carry(self) -> bool:
-    return self.fused and self.segments is None and all(
-        p is None for p in self.layer_policies)
+    return (self.fused and self.segments is None and Block.fuses_across(self.cfg)
+            and all(p is None for p in self.layer_policies))
 
   def remat_block(self, batch) -> tuple:
     """``(step, carry)`` for :func:`jaxfuse.remat.profile`: ``carry = step(self.layer(i),
     carry)`` runs block ``i``; ``batch`` is ``(tokens, ...)`` or the tokens."""
     tokens = batch[0] if isinstance(batch, (tuple, list)) else batch
     positions = jnp.arange(tokens.shape[-1])
-    return (lambda block, carry: block.step(carry, positions)), self.block_carry(tokens)
+    return ((lambda block, carry, index=0: block.step(carry, positions, index)),
+            self.block_carry(tokens))
 
   # Training -----------------------------------------------------------------------------------
 
@@ -212,8 +219,11 @@ class Decoder(LayerStack, nnx.Module):
     return jnp.sum(jnp.where(valid, losses, 0.0)) / jnp.sum(valid)
 
   def logits_from_hidden(self, h: jax.Array) -> jax.Array:
-    """Float32 logits of normalized hidden states (materialized: use on few positions)."""
-    return self.lm_head.logits(h)
+    """Float32 logits of normalized hidden states (materialized: use on few positions),
+    soft-capped where the family caps them."""
+    logits = self.lm_head.logits(h)
+    cap = self.cfg.final_logit_softcap
+    return logits if cap is None else cap * jnp.tanh(logits / cap)
 
   def logits(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
     """Float32 logits ``[batch, seq, V]`` of every position (materialized)."""

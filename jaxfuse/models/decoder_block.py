@@ -1,29 +1,47 @@
 """One decoder block and its pieces: attention, MLP, norms (Hugging Face's parameter names).
 
-A :class:`Block` is made of four pieces, each built by a function of the config here
+A :class:`Block` is made of pieces, each built by a function of the config here
 (:func:`make_attention`, :func:`make_mlp`, :func:`make_norm`), so that a model family changes a
 piece, not the block: the pieces hold the parameters and call :mod:`jaxfuse.blocks` and
-:mod:`jaxfuse.ops`; the block only says how they are wired (pre-norm, the residual adds).
+:mod:`jaxfuse.ops`; the block only says how they are wired (:data:`NORMS`: the norms before
+and/or after attention and the MLP, and the residual adds).
 
 ``fused`` chooses how a piece computes, never what parameters it has: jaxfuse's fused ops, or
 the same computation from plain flax/jax parts (the baseline every figure is measured
 against). Every value a recomputation policy may keep is named (:mod:`jaxfuse.ops.names`).
+
+A layer's attention is full or sliding-window (:meth:`DecoderConfig.layer_kind`), with its own
+rotary embedding where the family has two (Gemma 3). A block learns its layer's index when it
+runs: a Python int when the blocks are unrolled, a traced one when they are scanned, where
+layers of different kinds take their branch by ``lax.switch``.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxfuse import nnx as jnnx
-from jaxfuse import parallel
+from jaxfuse import ops, parallel
 from jaxfuse.blocks import attention as attention_blocks
 from jaxfuse.blocks.linear import HIGHEST, project
 from jaxfuse.models import decoding
 from jaxfuse.models.axes import HEADS, KV_HEADS, STREAM
 from jaxfuse.models.config import DecoderConfig
 from jaxfuse.ops import names
+
+# The norms of a block by placement, Hugging Face's names: before attention, after it, before
+# the MLP, after it (None: no such norm).
+NORMS = {
+    "pre": ("input_layernorm", None, "post_attention_layernorm", None),
+    "sandwich": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                 "post_feedforward_layernorm"),
+    "post": (None, "post_attention_layernorm", None, "post_feedforward_layernorm"),
+}
 
 
 def make_linear(cfg: DecoderConfig, n_in: int, n_out: int, use_bias: bool, rngs: nnx.Rngs):
@@ -41,8 +59,75 @@ def _project(linear: nnx.Linear, x: jax.Array, fused: bool) -> jax.Array:
   return project(x, linear.kernel[...], None if linear.bias is None else linear.bias[...])
 
 
+def by_kind(cfg: DecoderConfig, index, fn):
+  """``fn(kind)`` for layer ``index``'s attention kind (``"full"`` or ``"sliding"``): called
+  once when ``index`` is a Python int, else a ``lax.switch`` over the kinds the layers have."""
+  kinds = sorted(set(cfg.layer_kinds))
+  if isinstance(index, int) or len(kinds) == 1:
+    return fn(kinds[0] if len(kinds) == 1 else cfg.layer_kind(index))
+  table = jnp.asarray([kinds.index(k) for k in cfg.layer_kinds], jnp.int32)
+  return jax.lax.switch(table[index], [functools.partial(fn, k) for k in kinds])
+
+
+class RMSNorm(nnx.Module):
+  """The decoder's RMSNorm (parameter ``scale``; Hugging Face's ``weight``): jaxfuse's fused
+  norm, or the plain formula (flax's has no offset); with the family's ``1 + w``
+  (``norm_scale_offset``), the scale and its offset added in float32 as Gemma's norms do."""
+
+  def __init__(self, cfg: DecoderConfig, features: int, *, fused: bool,
+               implementation: str | None, rngs: nnx.Rngs):
+    init = nnx.initializers.zeros if cfg.norm_scale_offset else nnx.initializers.ones
+    self.scale = nnx.Param(init(rngs.params(), (features,), cfg.param_dtype))
+    self.eps, self.offset, self.dtype = cfg.rms_norm_eps, cfg.norm_scale_offset, cfg.dtype
+    self.fused, self.implementation = fused, implementation
+
+  def _scale(self):
+    scale = self.scale[...]
+    if self.offset:
+      return scale.astype(jnp.float32) + self.offset
+    return scale.astype(self.dtype or scale.dtype)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x = x.astype(self.dtype or x.dtype)
+    if self.fused:
+      return ops.rms_norm(x, self._scale(), eps=self.eps, implementation=self.implementation)
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+    return checkpoint_name((y * self._scale()).astype(x.dtype), names.NORM_OUT)
+
+  def add(self, x: jax.Array, residual: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(norm(x + residual), x + residual)``, in one kernel when fused."""
+    if self.fused:
+      dtype = self.dtype or x.dtype
+      return ops.add_rms_norm(x.astype(dtype), residual.astype(dtype), self._scale(),
+                              eps=self.eps, implementation=self.implementation)
+    z = x + residual
+    return self(z), z
+
+
+class _PlainRMSNorm(nnx.RMSNorm):
+  """flax's RMSNorm with its output named ``norm.out`` (jaxfuse's norms name their own): the
+  baseline's norm where the family has no scale offset."""
+
+  def __call__(self, x, mask=None):
+    return checkpoint_name(super().__call__(x, mask), names.NORM_OUT)
+
+
+def make_norm(cfg: DecoderConfig, fused: bool, implementation: str | None, rngs: nnx.Rngs,
+              features: int | None = None) -> RMSNorm | nnx.RMSNorm:
+  """An RMSNorm of ``features`` (default ``d_model``): :class:`RMSNorm`, or flax's own in the
+  plain-flax baseline of a family without a scale offset."""
+  features = features or cfg.d_model
+  if not fused and not cfg.norm_scale_offset:
+    return _PlainRMSNorm(features, epsilon=cfg.rms_norm_eps, dtype=cfg.dtype,
+                         param_dtype=cfg.param_dtype, rngs=rngs)
+  return RMSNorm(cfg, features, fused=fused, implementation=implementation, rngs=rngs)
+
+
 class Attention(nnx.Module):
-  """Grouped-query self-attention with rotary embeddings; HF's ``self_attn`` parameters."""
+  """Grouped-query self-attention with rotary embeddings, optionally RMSNorms of the queries
+  and keys (``q_norm``, ``k_norm``) before the rotation; Hugging Face's ``self_attn``
+  parameters."""
 
   def __init__(self, cfg: DecoderConfig, *, fused: bool, implementation: str | None,
                rngs: nnx.Rngs):
@@ -54,6 +139,12 @@ class Attention(nnx.Module):
     self.k_proj = make_linear(cfg, cfg.d_model, cfg.kv_heads * hd, cfg.qkv_bias, rngs)
     self.v_proj = make_linear(cfg, cfg.d_model, cfg.kv_heads * hd, cfg.qkv_bias, rngs)
     self.o_proj = make_linear(cfg, cfg.num_heads * hd, cfg.d_model, cfg.o_bias, rngs)
+    if cfg.qk_norm is not None:
+      whole = cfg.qk_norm == "projection"
+      self.q_norm = make_norm(cfg, fused, implementation, rngs,
+                              hd * (cfg.num_heads if whole else 1))
+      self.k_norm = make_norm(cfg, fused, implementation, rngs,
+                              hd * (cfg.kv_heads if whole else 1))
 
   def _qkv(self, x):
     """The column-parallel q, k and v projections: under a mesh their outputs are split by
@@ -70,14 +161,29 @@ class Attention(nnx.Module):
       project_all = jax.checkpoint(project_all, policy=jax.checkpoint_policies.nothing_saveable)
     return project_all(x)
 
-  def heads(self, x: jax.Array, positions: jax.Array):
+  def _rotate(self, x, norm, heads, cos, sin):
+    """Heads ``x`` (``[..., seq, heads * head_dim]``) normalized as the config says and
+    rotated: one fused op (:func:`jaxfuse.ops.qk_norm_rope`) where there is a norm, else
+    :func:`jaxfuse.ops.rotary_embedding`."""
+    cfg = self.cfg
+    if norm is None:
+      return ops.rotary_embedding(attention_blocks.split_heads(x, heads), cos=cos, sin=sin)
+    if self.fused:
+      return ops.qk_norm_rope(attention_blocks.split_heads(x, heads), norm.scale[...], cos, sin,
+                              eps=cfg.rms_norm_eps, scale_offset=cfg.norm_scale_offset,
+                              over=cfg.qk_norm, implementation=self.implementation)
+    if cfg.qk_norm == "projection":
+      return ops.rotary_embedding(attention_blocks.split_heads(norm(x), heads), cos=cos, sin=sin)
+    return ops.rotary_embedding(norm(attention_blocks.split_heads(x, heads)), cos=cos, sin=sin)
+
+  def heads(self, x: jax.Array, positions: jax.Array, kind: str = "full"):
     """The rotated queries and keys, and the values, ``[batch, seq, heads, head_dim]``, of
-    ``x`` at ``positions``."""
+    ``x`` at ``positions``, in a layer of ``kind``."""
     cfg = self.cfg
     q, k, v = self._qkv(x)
-    q, k = attention_blocks.rotate(attention_blocks.split_heads(q, cfg.num_heads),
-                                   attention_blocks.split_heads(k, cfg.kv_heads),
-                                   base=cfg.rope_theta, positions=positions)
+    cos, sin = cfg.rope(kind).cos_sin(positions)
+    q = self._rotate(q, getattr(self, "q_norm", None), cfg.num_heads, cos, sin)
+    k = self._rotate(k, getattr(self, "k_norm", None), cfg.kv_heads, cos, sin)
     q = parallel.constrain(q, *HEADS)
     k = parallel.constrain(k, *KV_HEADS)
     v = parallel.constrain(attention_blocks.split_heads(v, cfg.kv_heads), *KV_HEADS)
@@ -93,28 +199,38 @@ class Attention(nnx.Module):
     out = _project(self.o_proj, o, self.fused)
     return checkpoint_name(parallel.constrain(out, *STREAM), names.ATTN_PROJ)
 
-  def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-    """Causal attention of ``x`` at ``positions`` (in zig-zag order when the sequence is split
-    over the mesh: see :meth:`jaxfuse.models.Decoder.sequence_order`)."""
-    q, k, v = self.heads(x, positions)
+  def attend(self, kind: str, x: jax.Array, positions: jax.Array) -> jax.Array:
+    """Causal attention of ``x`` at ``positions`` in a layer of ``kind``."""
+    cfg = self.cfg
+    q, k, v = self.heads(x, positions, kind)
     o = attention_blocks.causal_attention(q, k, v, fused=self.fused,
-                                          sliding_window=self.cfg.sliding_window,
+                                          sliding_window=cfg.window(kind),
+                                          scale=cfg.attention_scale,
+                                          logit_softcap=cfg.attn_logit_softcap,
                                           implementation=self.implementation)
     return self.out(o)
 
-  def decode(self, x: jax.Array, positions: jax.Array, cache: dict, length: jax.Array):
+  def __call__(self, x: jax.Array, positions: jax.Array, index=0) -> jax.Array:
+    """Causal attention of ``x`` at ``positions`` (in zig-zag order when the sequence is split
+    over the mesh: see :meth:`jaxfuse.models.Decoder.sequence_order`) in layer ``index``."""
+    return by_kind(self.cfg, index, lambda kind: self.attend(kind, x, positions))
+
+  def decode(self, x: jax.Array, positions: jax.Array, cache: dict, length: jax.Array,
+             kind: str = "full"):
     """Attention of ``x`` over the KV cache: see :func:`jaxfuse.models.decoding.attend_cached`."""
-    return decoding.attend_cached(self, x, positions, cache, length)
+    return decoding.attend_cached(self, x, positions, cache, length, kind)
 
 
 class MLP(jnnx.GatedMLP):
-  """LLaMA's SwiGLU MLP: ``down_proj(silu(gate_proj(x)) * up_proj(x))``; the fused path is
-  :class:`jaxfuse.nnx.GatedMLP`'s, the unfused one calls the ``nnx.Linear`` submodules."""
+  """The gated MLP: ``down_proj(act(gate_proj(x)) * up_proj(x))`` (SwiGLU, Gemma's GeLU-tanh);
+  the fused path is :class:`jaxfuse.nnx.GatedMLP`'s, the unfused one calls the ``nnx.Linear``
+  submodules."""
 
   def __init__(self, cfg: DecoderConfig, *, fused: bool, implementation: str | None,
                rngs: nnx.Rngs):
-    super().__init__(cfg.d_model, cfg.mlp_dim, use_bias=cfg.mlp_bias, dtype=cfg.dtype,
-                     param_dtype=cfg.param_dtype, implementation=implementation,
+    super().__init__(cfg.d_model, cfg.mlp_dim, activation=cfg.activation,
+                     use_bias=cfg.mlp_bias, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+                     implementation=implementation,
                      kernel_init=nnx.initializers.normal(cfg.initializer_range), rngs=rngs)
     self.fused = fused
 
@@ -123,25 +239,8 @@ class MLP(jnnx.GatedMLP):
       return parallel.constrain(super().__call__(x), *STREAM)
     gate = checkpoint_name(self.gate_proj(x), names.MLP_GATE)
     up = checkpoint_name(self.up_proj(x), names.MLP_UP)
-    hidden = checkpoint_name(jax.nn.silu(gate) * up, names.MLP_HIDDEN)
+    hidden = checkpoint_name(ops.activations.get(self.activation)(gate) * up, names.MLP_HIDDEN)
     return checkpoint_name(parallel.constrain(self.down_proj(hidden), *STREAM), names.MLP_DOWN)
-
-
-class _PlainRMSNorm(nnx.RMSNorm):
-  """flax's RMSNorm with its output named ``norm.out`` (jaxfuse's norms name their own)."""
-
-  def __call__(self, x, mask=None):
-    return checkpoint_name(super().__call__(x, mask), names.NORM_OUT)
-
-
-def make_norm(cfg: DecoderConfig, fused: bool, implementation: str | None, rngs: nnx.Rngs):
-  """The RMSNorm of ``d_model`` features: jaxfuse's (with ``add``, the residual add fused) or
-  flax's."""
-  if fused:
-    return jnnx.RMSNorm(cfg.d_model, epsilon=cfg.rms_norm_eps, dtype=cfg.dtype,
-                        param_dtype=cfg.param_dtype, implementation=implementation, rngs=rngs)
-  return _PlainRMSNorm(cfg.d_model, epsilon=cfg.rms_norm_eps, dtype=cfg.dtype,
-                       param_dtype=cfg.param_dtype, rngs=rngs)
 
 
 def make_attention(cfg: DecoderConfig, fused: bool, implementation: str | None,
@@ -156,53 +255,84 @@ def make_mlp(cfg: DecoderConfig, fused: bool, implementation: str | None, rngs: 
 
 
 class Block(nnx.Module):
-  """One pre-norm decoder block (HF's ``LlamaDecoderLayer`` parameters)."""
+  """One decoder block (Hugging Face's ``*DecoderLayer`` parameters): attention and the MLP,
+  each with the residual add and the norms of the family's placement (:data:`NORMS`)."""
 
   def __init__(self, cfg: DecoderConfig, *, fused: bool, implementation: str | None,
                rngs: nnx.Rngs):
     self.fused = fused
-    self.input_layernorm = make_norm(cfg, fused, implementation, rngs)
+    self.placement = cfg.norm_placement
+    before_attn, after_attn, before_mlp, after_mlp = NORMS[cfg.norm_placement]
+    if before_attn:
+      setattr(self, before_attn, make_norm(cfg, fused, implementation, rngs))
     self.self_attn = make_attention(cfg, fused, implementation, rngs)
-    self.post_attention_layernorm = make_norm(cfg, fused, implementation, rngs)
+    for name in (after_attn, before_mlp, after_mlp):
+      if name:
+        setattr(self, name, make_norm(cfg, fused, implementation, rngs))
     self.mlp = make_mlp(cfg, fused, implementation, rngs)
 
-  def __call__(self, h: jax.Array, positions: jax.Array) -> jax.Array:
-    """The unfused block: ``h + attn(norm(h))``, then ``+ mlp(norm(.))``."""
-    h = parallel.constrain(h, *STREAM)
-    h = h + self.self_attn(self.input_layernorm(h), positions)
-    return h + self.mlp(self.post_attention_layernorm(h))
+  def _norms(self):
+    return tuple(None if name is None else getattr(self, name)
+                 for name in NORMS[self.placement])
 
-  def fused_call(self, pending: jax.Array, stream: jax.Array,
-                 positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The fused block: the residual stream is ``stream + pending``, where ``pending`` is the
-    previous block's MLP output (zeros before the first block), added by this block's input
-    RMSNorm in the same op. Returns this block's ``(pending, stream)``: each residual add is
-    fused with the RMSNorm that follows it."""
+  def __call__(self, h: jax.Array, positions: jax.Array, index=0) -> jax.Array:
+    """The block on the residual stream ``h``, one residual add after each of its halves."""
+    before_attn, after_attn, before_mlp, after_mlp = self._norms()
+    h = parallel.constrain(h, *STREAM)
+    a = self.self_attn(before_attn(h) if before_attn else h, positions, index)
+    h = h + (after_attn(a) if after_attn else a)
+    m = self.mlp(before_mlp(h) if before_mlp else h)
+    return h + (after_mlp(m) if after_mlp else m)
+
+  def fused_call(self, pending: jax.Array, stream: jax.Array, positions: jax.Array,
+                 index=0) -> tuple[jax.Array, jax.Array]:
+    """The fused block of a family with norms before attention and the MLP: the residual
+    stream is ``stream + pending``, where ``pending`` is the previous block's MLP output
+    (zeros before the first block), added by this block's input norm in the same op. Returns
+    this block's ``(pending, stream)``: each residual add is fused with the norm that follows
+    it."""
+    before_attn, after_attn, before_mlp, after_mlp = self._norms()
     pending = checkpoint_name(parallel.constrain(pending, *STREAM), names.BLOCK_INPUT)
     stream = checkpoint_name(parallel.constrain(stream, *STREAM), names.BLOCK_INPUT)
-    normed, stream = self.input_layernorm.add(pending, stream)
-    a = self.self_attn(normed, positions)
-    normed, stream = self.post_attention_layernorm.add(a, stream)
-    return self.mlp(normed), stream
+    normed, stream = before_attn.add(pending, stream)
+    a = self.self_attn(normed, positions, index)
+    normed, stream = before_mlp.add(after_attn(a) if after_attn else a, stream)
+    m = self.mlp(normed)
+    return (after_mlp(m) if after_mlp else m), stream
 
-  def stream_call(self, h: jax.Array, positions: jax.Array) -> jax.Array:
-    """The fused block on the whole residual stream ``h``: the post-attention add is fused
-    with its RMSNorm; the MLP's output is added to the stream by itself. One array crosses the
-    block's boundary (what a recomputed block keeps) instead of two."""
+  def stream_call(self, h: jax.Array, positions: jax.Array, index=0) -> jax.Array:
+    """The fused block on the whole residual stream ``h``: the add after attention is fused
+    with the norm before the MLP (where there is one); the MLP's output is added to the stream
+    by itself. One array crosses the block's boundary (what a recomputed block keeps) instead
+    of two."""
+    before_attn, after_attn, before_mlp, after_mlp = self._norms()
     h = checkpoint_name(parallel.constrain(h, *STREAM), names.BLOCK_INPUT)
-    a = self.self_attn(self.input_layernorm(h), positions)
-    normed, stream = self.post_attention_layernorm.add(a, h)
-    return stream + self.mlp(normed)
+    a = self.self_attn(before_attn(h) if before_attn else h, positions, index)
+    a = after_attn(a) if after_attn else a
+    if before_mlp is None:
+      stream = h + a
+      normed = stream
+    else:
+      normed, stream = before_mlp.add(a, h)
+    m = self.mlp(normed)
+    return stream + (after_mlp(m) if after_mlp else m)
 
-  def step(self, carry, positions):
+  @staticmethod
+  def fuses_across(cfg: DecoderConfig) -> bool:
+    """Whether a block's last add can be fused with the next block's first norm (the family
+    has a norm before attention)."""
+    return NORMS[cfg.norm_placement][0] is not None
+
+  def step(self, carry, positions, index=0):
     """One block on the carry of :meth:`jaxfuse.models.Decoder.hidden`: ``(pending, stream)``
-    when fused (a tuple), the residual stream otherwise."""
+    when fused across blocks (a tuple), the residual stream otherwise; ``index`` is the
+    layer's."""
     if isinstance(carry, tuple):
-      return self.fused_call(*carry, positions)
+      return self.fused_call(*carry, positions, index)
     if self.fused:
-      return self.stream_call(carry, positions)
-    return self(checkpoint_name(carry, names.BLOCK_INPUT), positions)
+      return self.stream_call(carry, positions, index)
+    return self(checkpoint_name(carry, names.BLOCK_INPUT), positions, index)
 
 
-__all__ = ["Attention", "Block", "MLP", "make_attention", "make_linear", "make_mlp",
-           "make_norm"]
+__all__ = ["Attention", "Block", "MLP", "NORMS", "RMSNorm", "by_kind", "make_attention",
+           "make_linear", "make_mlp", "make_norm"]

@@ -29,12 +29,14 @@ def init_cache(cfg, batch: int, max_len: int | None = None, dtype: Any = None) -
   return {"layers": layers, "length": jnp.zeros((), jnp.int32)}
 
 
-def attend_cached(attn, x: jax.Array, positions: jax.Array, cache: dict,
-                  length: jax.Array) -> tuple[jax.Array, dict]:
+def attend_cached(attn, x: jax.Array, positions: jax.Array, cache: dict, length: jax.Array,
+                  kind: str = "full") -> tuple[jax.Array, dict]:
   """Attention of ``x`` (``t`` new tokens at ``positions``) over the cached keys and values
-  ``[0, length)`` and its own, by a :class:`jaxfuse.models.Attention` ``attn``; returns the
-  output and the layer's cache with the new keys and values written at ``length``."""
-  q, k, v = attn.heads(x, positions)
+  ``[0, length)`` and its own, by a :class:`jaxfuse.models.Attention` ``attn`` of a layer of
+  ``kind``; returns the output and the layer's cache with the new keys and values written at
+  ``length``. A sliding-window layer skips the key tiles before its window."""
+  cfg = attn.cfg
+  q, k, v = attn.heads(x, positions, kind)
   t = x.shape[-2]
 
   def write(cached, new):
@@ -43,18 +45,23 @@ def attend_cached(attn, x: jax.Array, positions: jax.Array, cache: dict,
   keys, values = write(cache["k"], k), write(cache["v"], v)
   kv_lengths = jnp.full(x.shape[:1], length + t, jnp.int32)
   o = attention(q, keys.astype(q.dtype), values.astype(q.dtype), causal="bottom_right",
-                kv_lengths=kv_lengths, sliding_window=attn.cfg.sliding_window,
+                kv_lengths=kv_lengths, sliding_window=cfg.window(kind),
+                scale=cfg.attention_scale, logit_softcap=cfg.attn_logit_softcap,
                 implementation=attn.implementation)
   return attn.out(o), {"k": keys, "v": values}
 
 
-def decode_block(block, h: jax.Array, positions: jax.Array, cache: dict,
-                 length: jax.Array) -> tuple[jax.Array, dict]:
-  """A :class:`jaxfuse.models.Block` on the residual stream ``h`` of the new tokens, with its
-  attention over the layer's ``cache``; returns the stream and the updated layer cache."""
-  a, cache = block.self_attn.decode(block.input_layernorm(h), positions, cache, length)
-  h = h + a
-  return h + block.mlp(block.post_attention_layernorm(h)), cache
+def decode_block(block, h: jax.Array, positions: jax.Array, cache: dict, length: jax.Array,
+                 kind: str = "full") -> tuple[jax.Array, dict]:
+  """A :class:`jaxfuse.models.Block` of a layer of ``kind`` on the residual stream ``h`` of
+  the new tokens, with its attention over the layer's ``cache``; returns the stream and the
+  updated layer cache."""
+  before_attn, after_attn, before_mlp, after_mlp = block._norms()
+  a, cache = block.self_attn.decode(before_attn(h) if before_attn else h, positions, cache,
+                                    length, kind)
+  h = h + (after_attn(a) if after_attn else a)
+  m = block.mlp(before_mlp(h) if before_mlp else h)
+  return h + (after_mlp(m) if after_mlp else m), cache
 
 
 def decode(model, tokens: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
@@ -63,10 +70,10 @@ def decode(model, tokens: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
   length = cache["length"]
   t = tokens.shape[-1]
   positions = length + jnp.arange(t)
-  h = model.embed_tokens(tokens)
+  h = model.embed(tokens)
   layers = []
   for i, kv in enumerate(cache["layers"]):
-    h, kv = decode_block(model.layer(i), h, positions, kv, length)
+    h, kv = decode_block(model.layer(i), h, positions, kv, length, model.cfg.layer_kind(i))
     layers.append(kv)
   logits = model.logits_from_hidden(model.norm(h[:, -1:]))[:, 0]
   return logits, {"layers": layers, "length": length + t}

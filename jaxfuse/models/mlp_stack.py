@@ -37,7 +37,7 @@ class MLPBlock(nnx.Module):
     self.norm = jnnx.RMSNorm(features, implementation=implementation, rngs=rngs)
     self.mlp = jnnx.GatedMLP(features, hidden, implementation=implementation, rngs=rngs)
 
-  def step(self, h: jax.Array) -> jax.Array:
+  def step(self, h: jax.Array, index=0) -> jax.Array:
     h = jax.ad_checkpoint.checkpoint_name(h, names.BLOCK_INPUT)
     return h + self.mlp(self.norm(h))
 
@@ -78,7 +78,7 @@ class MLPStack(LayerStack, nnx.Module):
 
   def remat_block(self, batch) -> tuple:
     """``(step, carry)`` for :func:`jaxfuse.remat.profile`; ``batch`` is ``(x, target)``."""
-    return (lambda block, h: block.step(h)), batch[0]
+    return (lambda block, h, index=0: block.step(h, index)), batch[0]
 
 
 __all__ = ["MLPBlock", "MLPStack"]

@@ -1,8 +1,9 @@
 """Applying a stack of layers with a recomputation policy per layer, unrolled or scanned, with
 optional √L segments.
 
-``apply_layers(step, layers, carry, policies=...)`` runs ``carry = step(layer, carry)`` for
-every layer, in order:
+``apply_layers(step, layers, carry, policies=...)`` runs ``carry = step(layer, carry, i)`` for
+every layer ``i``, in order (``i`` a Python int for unrolled layers, a traced one under a
+scan):
 
 - ``layers`` is a list of NNX modules (one traced call each: compile time grows with L) or
   one NNX module whose parameters are stacked on a leading layer axis (made with
@@ -22,7 +23,7 @@ Example:
   >>> from flax import nnx
   >>> from jaxfuse.remat.layers import apply_layers, stacked
   >>> layers = stacked(lambda rngs: nnx.Linear(8, 8, rngs=rngs), 6, nnx.Rngs(0))
-  >>> step = lambda layer, h: jnp.tanh(layer(h))
+  >>> step = lambda layer, h, i: jnp.tanh(layer(h))
   >>> apply_layers(step, layers, jnp.ones((2, 8)), policies=["nothing"] * 6,
   ...              segments="sqrt").shape
   (2, 8)
@@ -30,6 +31,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 
@@ -78,7 +80,7 @@ def _checkpointed(fn, policy):
 
 def apply_layers(step: Callable, layers, carry, *, policies: Sequence[PolicySpec],
                  segments: str | int | None = None):
-  """Runs ``carry = step(layer, carry)`` over ``layers``; see the module docstring."""
+  """Runs ``carry = step(layer, carry, i)`` over ``layers``; see the module docstring."""
   if isinstance(layers, (list, tuple, nnx.List)):
     return _apply_unrolled(step, list(layers), carry, policies, segments)
   return _apply_scanned(step, layers, carry, policies, segments)
@@ -89,22 +91,29 @@ def _apply_unrolled(step, layers, carry, policies, segments):
     raise ValueError(f"apply_layers: {len(policies)} policies for {len(layers)} layers")
   size = segment_size(len(layers), segments)
 
-  def run(blocks, carry, pols):
-    for block, policy in zip(blocks, pols):
-      fn = step if policy is None else nnx.remat(step, policy=resolve_policy(policy))
+  def run(blocks, carry, pols, first):
+    for i, (block, policy) in enumerate(zip(blocks, pols)):
+      layer_step = functools.partial(_at, step, first + i)
+      fn = layer_step if policy is None else nnx.remat(layer_step,
+                                                       policy=resolve_policy(policy))
       carry = fn(block, carry)
     return carry
 
   if size is None:
-    return run(layers, carry, policies)
-  def segment(pols):
+    return run(layers, carry, policies, 0)
+  def segment(pols, first):
     def call(blocks, carry):
-      return run(blocks, carry, pols)
+      return run(blocks, carry, pols, first)
     return nnx.remat(call, policy=resolve_policy("nothing"))
 
   for a in range(0, len(layers), size):
-    carry = segment(list(policies[a:a + size]))(nnx.List(layers[a:a + size]), carry)
+    carry = segment(list(policies[a:a + size]), a)(nnx.List(layers[a:a + size]), carry)
   return carry
+
+
+def _at(step, index, block, carry):
+  """``step`` of the layer at ``index``."""
+  return step(block, carry, index)
 
 
 _SLICES = frozenset({"dynamic_slice", "slice", "gather", "squeeze"})
@@ -130,33 +139,37 @@ def _apply_scanned(step, layers, carry, policies, segments):
     raise ValueError(f"apply_layers: {len(policies)} policies for {count} stacked layers")
   size = segment_size(count, segments)
 
-  def call(carry, layer_state):
-    return step(nnx.merge(graphdef, layer_state), carry)
+  def call(carry, layer_state, index):
+    return step(nnx.merge(graphdef, layer_state), carry, index)
 
-  def scan_all(carry, states, policy):
-    """Every layer of ``states`` (stacked), each under ``policy``: a scan over them."""
+  def scan_all(carry, states, policy, offset):
+    """Every layer of ``states`` (stacked, the first being layer ``offset``), each under
+    ``policy``: a scan over them."""
     body = _checkpointed(call, policy)
-    return jax.lax.scan(lambda c, s: (body(c, s), None), carry, states)[0]
+    n = jax.tree_util.tree_leaves(states)[0].shape[0]
+    return jax.lax.scan(lambda c, xs: (body(c, *xs), None), carry,
+                        (states, offset + jax.numpy.arange(n)))[0]
 
-  def scan_range(carry, states, lo, hi, policy):
+  def scan_range(carry, states, lo, hi, policy, offset):
     """Layers [lo, hi) of ``states``: a scan over their indices that slices each layer inside
     its (checkpointed) body, so that no copy of the parameters is kept."""
     def body(carry, i):
       layer_state = jax.tree_util.tree_map(
           lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), states)
-      return call(carry, layer_state)
+      return call(carry, layer_state, offset + i)
     body = jax.checkpoint(body, policy=_without_slices(policy))
     return jax.lax.scan(lambda c, i: (body(c, i), None), carry, jax.numpy.arange(lo, hi))[0]
 
-  def run(carry, states, a, b):
-    """Layers [a, b) of ``states``, one scan per run of equal policies."""
+  def run(carry, states, a, b, offset=0):
+    """Layers [a, b) of ``states`` (whose first is layer ``offset``), one scan per run of
+    equal policies."""
     n = jax.tree_util.tree_leaves(states)[0].shape[0]
     for lo, hi in equal_runs(policies[a:b]):
       policy = policies[a + lo]
       if lo == 0 and hi == n and a == 0:
-        carry = scan_all(carry, states, policy)
+        carry = scan_all(carry, states, policy, offset)
       else:
-        carry = scan_range(carry, states, a + lo, a + hi, policy)
+        carry = scan_range(carry, states, a + lo, a + hi, policy, offset)
     return carry
 
   if size is None:
@@ -169,7 +182,7 @@ def _apply_scanned(step, layers, carry, policies, segments):
     def segment(carry, j):   # slices its layers inside: no copy of the parameters is kept
       seg = jax.tree_util.tree_map(
           lambda x: jax.lax.dynamic_slice_in_dim(x, j * size, size), state)
-      return run(carry, seg, 0, size)
+      return run(carry, seg, 0, size, j * size)
 
     segment = _checkpointed(segment, "nothing")
     carry = jax.lax.scan(lambda c, j: (segment(c, j), None), carry, jax.numpy.arange(full))[0]
@@ -224,6 +237,7 @@ class LayerStack:
     return nnx.merge(graphdef, jax.tree_util.tree_map(lambda x: x[i], state))
 
   def apply_blocks(self, carry, *args):
-    """``carry = block.step(carry, *args)`` over the blocks, under the model's policies."""
-    return apply_layers(lambda block, c: block.step(c, *args), self.layers, carry,
+    """``carry = block.step(carry, *args, index)`` over the blocks, under the model's
+    policies."""
+    return apply_layers(lambda block, c, i: block.step(c, *args, i), self.layers, carry,
                         policies=self.layer_policies, segments=self.segments)
