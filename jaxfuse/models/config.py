@@ -76,6 +76,8 @@ class DecoderConfig:
     attn_logit_softcap: attention scores ``c * tanh(s / c)`` (Gemma 2).
     final_logit_softcap: the logits ``c * tanh(z / c)`` (Gemma 2).
     model_type: the Hugging Face family it was read from or is written as.
+    pad_token_id: the padding token, whose embedding row gets no gradient from the lookup
+      (as torch's ``nn.Embedding(padding_idx=...)``); None: none.
     max_seq_len: the longest sequence (Hugging Face's ``max_position_embeddings``).
     initializer_range: the standard deviation of the weights' normal initializer.
     dtype: the computation dtype.
@@ -109,6 +111,7 @@ class DecoderConfig:
   attn_logit_softcap: float | None = None
   final_logit_softcap: float | None = None
   model_type: str = "llama"
+  pad_token_id: int | None = None
   max_seq_len: int = 2048
   initializer_range: float = 0.02
   dtype: Any = jnp.float32

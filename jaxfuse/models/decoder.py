@@ -155,6 +155,9 @@ class Decoder(LayerStack, nnx.Module):
     else:
       table = self.embed_tokens.embedding[...]
       h = parallel.embed(table.astype(self.cfg.dtype or table.dtype), tokens, STREAM)
+    pad = self.cfg.pad_token_id
+    if pad is not None:   # no gradient into the padding row from the lookup, as torch
+      h = jnp.where((tokens == pad)[..., None], jax.lax.stop_gradient(h), h)
     if self.cfg.embed_scale:
       h = h * jnp.asarray(self.cfg.d_model ** 0.5, h.dtype)
     return h

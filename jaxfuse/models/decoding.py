@@ -79,6 +79,16 @@ def decode(model, tokens: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
   return logits, {"layers": layers, "length": length + t}
 
 
+def recompute_position(cfg) -> int | None:
+  """The position whose token makes :func:`generate` recompute the cache from the start, or
+  None. With longrope (Phi-3) the rotation switches from the short to the long factors once a
+  sequence passes the original length; transformers' ``generate`` then re-encodes the whole
+  sequence at the first token past it, so that every cached key is rotated by the long
+  factors, and :func:`generate` does the same."""
+  rope = cfg.rope()
+  return rope.param("original_max_position_embeddings") if rope.rope_type == "longrope" else None
+
+
 def generate(model, prompt: jax.Array, steps: int, key: jax.Array, *,
              temperature: float = 1.0, max_len: int | None = None) -> jax.Array:
   """Samples ``steps`` tokens after ``prompt [batch, t]`` with the KV cache; returns
@@ -98,6 +108,8 @@ def generate(model, prompt: jax.Array, steps: int, key: jax.Array, *,
   if t + steps > max_len:
     raise ValueError(f"generate: prompt ({t}) + steps ({steps}) exceed max_len ({max_len})")
   graphdef, state = nnx.split(model)
+  recompute = recompute_position(model.cfg)
+  reset = recompute - t if recompute is not None and t <= recompute < t + steps else None
 
   def pick(logits, key):
     if temperature == 0:
@@ -109,14 +121,25 @@ def generate(model, prompt: jax.Array, steps: int, key: jax.Array, *,
     m = nnx.merge(graphdef, state)
     logits, cache = m.decode(prompt, m.init_cache(batch, max_len))
     keys = jax.random.split(key, steps)
+    out = jnp.zeros((batch, t + steps), prompt.dtype).at[:, :t].set(prompt)
 
-    def step(carry, key):
-      logits, cache = carry
+    def step(carry, xs):
+      logits, cache, out = carry
+      i, key = xs
       token = pick(logits, key)
+      out = jax.lax.dynamic_update_slice_in_dim(out, token[:, None], t + i, axis=1)
       logits, cache = m.decode(token[:, None], cache)
-      return (logits, cache), token
+      return (logits, cache, out), None
 
-    _, tokens = jax.lax.scan(step, (logits, cache), keys)
-    return jnp.concatenate([prompt, tokens.T], axis=1)
+    carry = (logits, cache, out)
+    if reset is None:
+      return jax.lax.scan(step, carry, (jnp.arange(steps), keys))[0][2]
+    carry = jax.lax.scan(step, carry, (jnp.arange(reset), keys[:reset]))[0]
+    logits, cache, out = carry
+    out = out.at[:, t + reset].set(pick(logits, keys[reset]))
+    # The whole sequence so far, re-encoded into a fresh cache.
+    logits, cache = m.decode(out[:, :t + reset + 1], m.init_cache(batch, max_len))
+    rest = jnp.arange(reset + 1, steps)
+    return jax.lax.scan(step, (logits, cache, out), (rest, keys[reset + 1:]))[0][2]
 
   return run(state, prompt, key)

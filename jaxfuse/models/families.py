@@ -30,13 +30,13 @@ COMMON_FIELDS = frozenset({
     "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
     "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "hidden_activation",
     "rms_norm_eps", "rope_parameters", "rope_theta", "rope_scaling", "tie_word_embeddings",
-    "max_position_embeddings", "initializer_range", "attention_dropout",
+    "max_position_embeddings", "initializer_range", "attention_dropout", "pad_token_id",
 })
 # Fields that do not change what the model computes.
 IGNORED_FIELDS = frozenset({
     "transformers_version", "architectures", "output_hidden_states", "output_attentions",
     "return_dict", "dtype", "torch_dtype", "chunk_size_feed_forward", "is_encoder_decoder",
-    "id2label", "label2id", "problem_type", "use_cache", "pad_token_id", "bos_token_id",
+    "id2label", "label2id", "problem_type", "use_cache", "bos_token_id",
     "eos_token_id", "_name_or_path", "tokenizer_class", "prefix", "sep_token_id",
     "decoder_start_token_id", "task_specific_params", "finetuning_task", "tie_encoder_decoder",
     "add_cross_attention", "cross_attention_hidden_size", "is_decoder", "pruned_heads",
@@ -140,8 +140,7 @@ def _write_gemma(cfg: DecoderConfig) -> dict:
   return {"query_pre_attn_scalar": scalar, "attn_logit_softcapping": cfg.attn_logit_softcap,
           "final_logit_softcapping": cfg.final_logit_softcap,
           "attention_bias": cfg.qkv_bias, "sliding_window": cfg.sliding_window,
-          "layer_types": list(cfg.layer_types or ("full_attention",) * cfg.num_layers),
-          "hidden_activation": _HF_ACTIVATION[cfg.activation]}
+          "layer_types": list(cfg.layer_types or ("full_attention",) * cfg.num_layers)}
 
 
 def _write_types(cfg: DecoderConfig) -> dict:
@@ -259,6 +258,13 @@ def _rope(f: Fields, head_dim: int, max_positions: int) -> dict:
   return out
 
 
+def _pad(f: Fields) -> int | None:
+  """The padding token: its embedding row gets no gradient from the lookup (torch's
+  ``nn.Embedding(padding_idx=...)``), where it is inside the vocabulary."""
+  pad = f.get("pad_token_id")
+  return pad if pad is not None and 0 <= pad < f.get("vocab_size") else None
+
+
 def read_hf(hf_config) -> dict:
   """:class:`DecoderConfig` fields of a ``transformers`` config (or its ``to_dict()``)."""
   values = hf_config if isinstance(hf_config, Mapping) else hf_config.to_dict()
@@ -281,6 +287,7 @@ def read_hf(hf_config) -> dict:
       tie_embeddings=bool(f.get("tie_word_embeddings", False)),
       activation=ACTIVATIONS[activation], max_seq_len=max_positions,
       initializer_range=float(f.get("initializer_range", 0.02)), model_type=fam.model_type,
+      pad_token_id=_pad(f),
       **_rope(f, head_dim, max_positions))
   out.update(fam.read(f))
   known = COMMON_FIELDS | IGNORED_FIELDS | fam.fields | f.read
@@ -308,7 +315,7 @@ def write_hf(cfg: DecoderConfig, model_type: str):
                 head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, rope_parameters=rope,
                 tie_word_embeddings=cfg.tie_embeddings,
                 max_position_embeddings=cfg.max_seq_len,
-                initializer_range=cfg.initializer_range)
+                initializer_range=cfg.initializer_range, pad_token_id=cfg.pad_token_id)
   if model_type.startswith("gemma"):
     common["hidden_activation"] = _HF_ACTIVATION[cfg.activation]
   else:
