@@ -163,3 +163,37 @@ def test_scanned_layers_of_alternating_kinds_match_unrolled():
       a = jax.tree.map(lambda *xs: jnp.stack(xs), *[a[i] for i in range(4)])
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
       np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("name,extra", [
+    ("gemma2", ["--scan-layers", "--remat-policy", "save_dot_except_mlp"]),
+    ("olmo2", ["--remat-budget", "50%"]),
+], ids=["gemma2-scanned-recipe", "olmo2-planned"])
+def test_the_train_cli_fine_tunes_a_checkpoint(tmp_path, name, extra):
+  """``python -m jaxfuse.train --init-from`` a family's checkpoint (a vocabulary that holds
+  the byte tokens), scanned or planned: it trains, the loss falls."""
+  from jaxfuse import train
+
+  model_type, changes = FAMILIES[name]
+  hf = _hf_model(model_type, {**changes, "vocab_size": 260, "num_hidden_layers": 4})
+  hf.save_pretrained(tmp_path / "init")
+  cfg = train.parse_args(["--steps", "6", "--batch", "2", "--seq", "16", "--warmup", "1",
+                          "--lr", "1e-2", "--eval-every", "100", "--sample-tokens", "0",
+                          "--init-from", str(tmp_path / "init"), "--out", str(tmp_path / "run"),
+                          *extra])
+  result = train.train(cfg, log=lambda *_: None)
+  losses = result["history"]["loss"]
+  assert all(np.isfinite(losses)) and losses[-1] < losses[0], losses
+
+
+def test_the_readme_table_is_the_code_list():
+  from pathlib import Path
+
+  readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+  block = readme.split("<!-- families:start -->\n", 1)[1].split("\n<!-- families:end -->")[0]
+  assert block == families.supported_table()
+  assert set(FAMILIES_TESTED) == set(families.MODEL_TYPES)
+
+
+FAMILIES_TESTED = {model_type for model_type, _ in FAMILIES.values()} | {
+    "mistral", "qwen2"}   # the earlier families' twins: tests/test_hf_twin.py

@@ -339,3 +339,23 @@ def supported_table() -> str:
           "|---|---|---|"]
   rows += [f"| `{f.model_type}` | `{f.architecture}` | {f.needs} |" for f in FAMILIES]
   return "\n".join(rows)
+
+
+def write_readme(path: str, start: str = "<!-- families:start -->",
+                 end: str = "<!-- families:end -->") -> None:
+  """Rewrites the table between ``start`` and ``end`` in the file at ``path``."""
+  from pathlib import Path
+
+  text = Path(path).read_text()
+  head, rest = text.split(start, 1)
+  _, tail = rest.split(end, 1)
+  Path(path).write_text(f"{head}{start}\n{supported_table()}\n{end}{tail}")
+
+
+if __name__ == "__main__":   # python -m jaxfuse.models.families [README.md]
+  import sys
+
+  if len(sys.argv) > 1:
+    write_readme(sys.argv[1])
+  else:
+    print(supported_table())

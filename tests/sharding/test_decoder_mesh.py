@@ -213,3 +213,43 @@ def test_context_parallel_needs_the_fused_decoder():
   tokens, targets = _batch(1)
   with jax.set_mesh(parallel.make_mesh("context=8")), pytest.raises(ValueError, match="fused"):
     model(tokens, targets)
+
+
+# The families' options on a mesh ------------------------------------------------------------------
+
+FAMILY_OPTIONS = {
+    # Gemma 2: norms before and after each half with 1 + w, GeLU-tanh, query scale, both
+    # soft-caps, scaled embeddings, alternating sliding-window and global layers.
+    "gemma2": dict(norm_placement="sandwich", norm_scale_offset=1.0, activation="gelu_tanh",
+                   query_scale=0.3, attn_logit_softcap=5.0, final_logit_softcap=3.0,
+                   embed_scale=True, sliding_window=8,
+                   layer_types=("sliding_attention", "full_attention"), model_type="gemma2"),
+    # Qwen3: per-head q/k norms (the fused qk_norm_rope op, split with the heads), with and
+    # without grouped queries.
+    "qwen3": dict(qk_norm="head", model_type="qwen3"),
+    "qwen3-gqa": dict(qk_norm="head", num_kv_heads=4, model_type="qwen3"),
+    # OLMo 2: norms after each half, q/k norms over the whole projection (kept whole).
+    "olmo2": dict(norm_placement="post", qk_norm="projection", model_type="olmo2"),
+}
+FAMILY_MESHES = [("gemma2", "data=2,fsdp=2,tensor=2"), ("qwen3-gqa", "data=2,fsdp=2,tensor=2"),
+                 ("qwen3", "tensor=8"), ("olmo2", "data=4,fsdp=2")]
+
+
+@pytest.mark.parametrize("family,mesh_text", FAMILY_MESHES,
+                         ids=[f"{f}-{m}" for f, m in FAMILY_MESHES])
+def test_family_options_on_a_mesh_equal_one_device(family, mesh_text):
+  cfg = _config().replace(**FAMILY_OPTIONS[family])
+  graphdef, params, rest = nnx.split(Decoder(cfg, implementation="xla", rngs=nnx.Rngs(0)),
+                                     nnx.Param, ...)
+
+  def loss(params, tokens, targets):
+    return nnx.merge(graphdef, params, rest)(tokens, targets)
+
+  want = jax.jit(jax.value_and_grad(loss))(params, *_batch())
+  mesh = parallel.make_mesh(mesh_text)
+  with jax.set_mesh(mesh):
+    args = _placed(mesh, params, *_batch())
+    got = jax.jit(jax.value_and_grad(loss))(*args)
+  helpers.assert_close(got[0], want[0], rtol=1e-5, atol=0)
+  for g, w in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1]), strict=True):
+    helpers.assert_close(g, w, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(w))))
