@@ -151,3 +151,19 @@ def test_headline_is_the_quick_case():
 def test_the_suite_is_registered():
   assert cli.SUITES["train"] == "benchmarks.suites.train"
   assert "train" in cli._available()
+
+
+@pytest.mark.parametrize("family", ["gemma2", "qwen3"])
+def test_family_rows_match_their_float64_hf_twin(family):
+  """The families' cases: the same step-0 loss as the family's transformers model (Gemma 2's
+  with eager attention for its soft-cap) in float64, and a falling loss curve."""
+  shape = dataclasses.replace(SHAPE, family=family)
+  assert shape.name.startswith(f"{family}-like ")
+  rows = _by_impl(train.case_records(FixedTimes(suite="train", runs=1), shape,
+                                     impls=("jaxfuse-xla", "torch-eager"), curve_steps=3,
+                                     compiler_options=FAST_COMPILE))
+  for r in rows.values():
+    step0 = train.losses_of(r)[0]
+    assert r.max_abs_err <= STEP0_RTOL * step0, (r.impl, r.max_abs_err)
+  assert train.losses_of(rows["jaxfuse-xla"]) == pytest.approx(
+      train.losses_of(rows["torch-eager"]), rel=1e-5)

@@ -1,9 +1,11 @@
-"""One training step of a LLaMA-style decoder: forward, backward and the AdamW update.
+"""One training step of a decoder: forward, backward and the AdamW update.
 
 The decoder (:class:`jaxfuse.models.Decoder`): d_model 512, 8 query heads and 2 key/value heads,
 4 layers, a SwiGLU MLP of width 1536, a vocabulary of 32000, float32. Cases are named
 ``decoder d512 L4 V32000 b<batch> seq=<length>``: ``--quick`` runs batch 4 at seq 1024; the
-full run adds batch 2 at seq 2048 (the same 4096 tokens per step). Rows:
+full run adds batch 2 at seq 2048 (the same 4096 tokens per step). The ``gemma2-like`` and
+``qwen3-like`` cases are the same shape with those families' options (:data:`FAMILY_OPTIONS`).
+Rows:
 
 - ``jaxfuse-xla``: ``Decoder(cfg, fused=True, implementation="xla")``: fused residual add +
   RMSNorm, attention that keeps its output and log-sum-exp (never the scores), a gated MLP that
@@ -12,8 +14,9 @@ full run adds batch 2 at seq 2048 (the same 4096 tokens per step). Rows:
 - ``jax-unfused``: ``Decoder(cfg, fused=False)``, the same parameters in plain flax/jax parts
   (``nnx.RMSNorm``, ``jax.nn.dot_product_attention``, full logits and optax's cross-entropy).
   The timing baseline.
-- ``torch-eager``: Hugging Face ``transformers.LlamaForCausalLM`` (SDPA attention) with the
-  same weights (:func:`jaxfuse.interop.hf_state_dict`, :meth:`DecoderConfig.to_hf`).
+- ``torch-eager``: Hugging Face's model of the family (``transformers.LlamaForCausalLM``, SDPA
+  attention; Gemma 2's with eager attention, which its soft-cap needs) with the same weights
+  (:func:`jaxfuse.interop.hf_state_dict`, :meth:`DecoderConfig.to_hf`).
 - ``torch-compile``: the same, its loss (forward, and through AOTAutograd the backward)
   compiled with ``torch.compile``; the optimizer step runs eagerly. A compiler failure leaves
   the row with a note and no figures.
@@ -66,7 +69,7 @@ from jaxfuse.models import IGNORE_INDEX, Decoder, DecoderConfig, next_token_targ
 SUITE = "train"
 BASELINE = "jax-unfused"
 TORCH = "torch-eager"
-REFERENCE = "hf-llama-float64"
+REFERENCE = "hf-float64"
 IMPLS = ("jaxfuse-xla", BASELINE, TORCH, "torch-compile")
 # The rows whose losses are drawn, over CURVE_STEPS steps on the same batches.
 CURVE_IMPLS = ("jaxfuse-xla", BASELINE, TORCH)
@@ -77,8 +80,8 @@ SEED = 0
 # Rows of the float64 reference's head computed at once (bounds its [rows, V] logits).
 REFERENCE_CHUNK = 1024
 
-STEP0_SOURCE = ("the step-0 loss (float32, before any update) against transformers' "
-                "LlamaForCausalLM in float64 on the same weights and batch, its loss taken in "
+STEP0_SOURCE = ("the step-0 loss (float32, before any update) against the family's "
+                "transformers model in float64 on the same weights and batch, its loss taken in "
                 "float64 from its hidden states")
 NOTE_SOURCE = ("step-0 loss: the loss of the first step, before any update; its relative "
                "difference: |loss - reference| / |reference| against " + REFERENCE + "; "
@@ -90,6 +93,21 @@ TEMP_SOURCE = ("XLA compiled memory analysis of the jitted step (forward, backwa
                "jaxfuse.metrics.compiled_memory)")
 JAX_RESIDUAL_SOURCE = f"{rec.JAX_RESIDUAL_SOURCE}, of the loss w.r.t. the nnx.Param leaves"
 TORCH_RESIDUAL_SOURCE = f"{rec.TORCH_RESIDUAL_SOURCE}, of model(tokens, labels=tokens).loss"
+
+
+# The families' options on the same shape (jaxfuse.models.families): what each computes beyond
+# LLaMA, at its published settings where a tiny model has them.
+FAMILY_OPTIONS = {
+    "llama": {},
+    # Gemma 2: norms before and after each half (1 + w), GeLU-tanh, query_pre_attn_scalar =
+    # head_dim, attention soft-cap 50 and final soft-cap 30, scaled and tied embeddings,
+    # sliding-window (512) and global layers alternating.
+    "gemma2": dict(norm_placement="sandwich", norm_scale_offset=1.0, activation="gelu_tanh",
+                   embed_scale=True, tie_embeddings=True, attn_logit_softcap=50.0,
+                   final_logit_softcap=30.0, sliding_window=512, model_type="gemma2"),
+    # Qwen3: RMSNorm of each query and key head before the rotation.
+    "qwen3": dict(qk_norm="head", model_type="qwen3"),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,10 +122,12 @@ class Shape:
   mlp: int
   batch: int
   seq: int
+  family: str = "llama"
 
   @property
   def name(self) -> str:
-    return (f"decoder d{self.d_model} L{self.layers} V{self.vocab} b{self.batch} "
+    prefix = "decoder" if self.family == "llama" else f"{self.family}-like"
+    return (f"{prefix} d{self.d_model} L{self.layers} V{self.vocab} b{self.batch} "
             f"seq={self.seq}")
 
   @property
@@ -115,9 +135,13 @@ class Shape:
     return self.batch * self.seq
 
   def config(self) -> DecoderConfig:
+    options = dict(FAMILY_OPTIONS[self.family])
+    if self.family == "gemma2":
+      options["layer_types"] = ("sliding_attention", "full_attention") * (self.layers // 2)
+      options["query_scale"] = (self.d_model // self.heads) ** -0.5
     return DecoderConfig(vocab_size=self.vocab, d_model=self.d_model, num_layers=self.layers,
                          num_heads=self.heads, num_kv_heads=self.kv_heads, mlp_dim=self.mlp,
-                         max_seq_len=self.seq)
+                         max_seq_len=self.seq, **options)
 
 
 QUICK = Shape(vocab=32000, d_model=512, layers=4, heads=8, kv_heads=2, mlp=1536, batch=4,
@@ -125,8 +149,11 @@ QUICK = Shape(vocab=32000, d_model=512, layers=4, heads=8, kv_heads=2, mlp=1536,
 LONG = dataclasses.replace(QUICK, batch=2, seq=2048)
 
 
+FAMILIES = [dataclasses.replace(QUICK, family=family) for family in ("gemma2", "qwen3")]
+
+
 def _shapes(ctx) -> list[Shape]:
-  return [QUICK] if ctx.quick else [QUICK, LONG]
+  return [QUICK, *FAMILIES] if ctx.quick else [QUICK, LONG, *FAMILIES]
 
 
 def batches(shape: Shape, n: int, seed: int = SEED) -> list[np.ndarray]:
@@ -216,17 +243,24 @@ def _hf_loss(model):
 
 
 def hf_model(cfg: DecoderConfig, state_dict: dict):
-  """``transformers.LlamaForCausalLM`` (SDPA attention, float32) holding ``state_dict``."""
+  """The family's ``transformers`` ``*ForCausalLM`` (float32) holding ``state_dict``: SDPA
+  attention, or eager where the family soft-caps its attention scores (SDPA has no soft-cap:
+  Gemma 2 trains with eager attention)."""
   import torch
   import transformers
 
-  config = cfg.to_hf("llama")
-  config._attn_implementation = "sdpa"
+  config = cfg.to_hf()
+  attention = "eager" if cfg.attn_logit_softcap is not None else "sdpa"
+  config._attn_implementation = attention
   torch.manual_seed(SEED)
-  model = transformers.LlamaForCausalLM(config).float()
-  model.load_state_dict(state_dict, strict=True)
-  if model.config._attn_implementation != "sdpa":
-    raise RuntimeError(f"expected SDPA attention, got {model.config._attn_implementation}")
+  model = transformers.AutoModelForCausalLM.from_config(config).float()
+  missing, unexpected = model.load_state_dict(state_dict, strict=False)
+  tied = {"lm_head.weight"} if cfg.tie_embeddings else set()
+  if set(missing) - tied or unexpected:
+    raise RuntimeError(f"state dict: missing {missing}, unexpected {unexpected}")
+  if model.config._attn_implementation != attention:
+    raise RuntimeError(f"expected {attention} attention, got "
+                       f"{model.config._attn_implementation}")
   return model.train()
 
 
@@ -242,6 +276,7 @@ def reference_loss(model, tokens: np.ndarray) -> float:
   model = copy.deepcopy(model).double().eval()
   t = torch.from_numpy(np.asarray(tokens, np.int64))
   targets = torch.from_numpy(np.asarray(next_token_targets(jnp.asarray(tokens)), np.int64))
+  cap = getattr(model.config, "final_logit_softcapping", None)
   with torch.no_grad():
     hidden = model.model(input_ids=t).last_hidden_state.reshape(-1, model.config.hidden_size)
     targets = targets.reshape(-1)
@@ -249,8 +284,11 @@ def reference_loss(model, tokens: np.ndarray) -> float:
     total = torch.zeros((), dtype=torch.float64)
     for start in range(0, hidden.shape[0], REFERENCE_CHUNK):
       rows = slice(start, start + REFERENCE_CHUNK)
-      total += F.cross_entropy(hidden[rows] @ weight.T, targets[rows],
-                               ignore_index=IGNORE_INDEX, reduction="sum")
+      logits = hidden[rows] @ weight.T
+      if cap is not None:
+        logits = cap * torch.tanh(logits / cap)
+      total += F.cross_entropy(logits, targets[rows], ignore_index=IGNORE_INDEX,
+                               reduction="sum")
     count = int((targets != IGNORE_INDEX).sum())
   return float(total) / count
 
@@ -422,8 +460,8 @@ def run(ctx) -> list[Record]:
 
 
 def headline(records) -> list[Record]:
-  """One row per impl of the quick case."""
-  return [r for r in records if r.case == QUICK.name]
+  """One row per impl of the quick case and of each family's."""
+  return [r for r in records if r.case in {QUICK.name, *(s.name for s in FAMILIES)}]
 
 
 def plot(records: Sequence[Record], path: str) -> None:
