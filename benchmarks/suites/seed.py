@@ -81,7 +81,7 @@ def _triton_interpreted(a, b, g, act, with_grad):
   os.environ["TRITON_INTERPRET"] = "1"
   import torch
 
-  from jaxfuse.kernels.triton import elementwise as tk
+  tk = ADD_ACT.module("triton")   # the op's Triton kernels (its registry entry)
 
   n = a.numel()
   # The interpreter runs each program in numpy: use big blocks to keep it quick. It truncates
@@ -109,7 +109,7 @@ def _triton_counted_bytes(a, b, g, act, with_grad) -> int | None:
     return None
   import torch
 
-  from jaxfuse.kernels.triton import elementwise as tk
+  tk = ADD_ACT.module("triton")   # the op's Triton kernels (its registry entry)
   from jaxfuse.metrics import triton_traffic
 
   n = a.numel()

@@ -10,8 +10,10 @@ for Pallas kernels: what the kernel body asks for, before any cache.
 Example (with ``TRITON_INTERPRET=1`` set before triton is imported)::
 
   import torch
-  from jaxfuse.kernels.triton import elementwise as kernels
+  from jaxfuse.ops import base
   from jaxfuse.metrics import triton_traffic
+
+  kernels = base.REGISTRY["add_act"].module("triton")   # its Triton kernel module
 
   a, out = torch.ones(1000), torch.empty(1000)
   with triton_traffic.counting() as counted:

@@ -80,14 +80,22 @@ def _masks(i, n, half, bt, bp):
   return (rows < n) & (cols < half)
 
 
+def _prologue(x_ref, cos_ref, sin_ref, *, n, heads, d, bt, bp, eps, whole):
+  """What both kernels start with: the program's block, its mask, its group of heads, their
+  reciprocal RMS and the block's rotation."""
+  i = pl.program_id(0)
+  mask = _masks(i, n, d // 2, bt, bp)
+  first, count = _group(heads, d, whole)
+  rstd = _stats(x_ref, i, first, count, d=d, half=d // 2, bt=bt, bp=bp, mask=mask, eps=eps)
+  c, s = _load(cos_ref, i, 0, bt, bp, mask), _load(sin_ref, i, 0, bt, bp, mask)
+  return i, mask, first, count, rstd, c, s
+
+
 def _forward_kernel(x_ref, w_ref, cos_ref, sin_ref, y_ref, *, n, heads, d, bt, bp, eps,
                     offset, whole, has_weight):
   half = d // 2
-  i = pl.program_id(0)
-  mask = _masks(i, n, half, bt, bp)
-  first, count = _group(heads, d, whole)
-  rstd = _stats(x_ref, i, first, count, d=d, half=half, bt=bt, bp=bp, mask=mask, eps=eps)
-  c, s = _load(cos_ref, i, 0, bt, bp, mask), _load(sin_ref, i, 0, bt, bp, mask)
+  i, mask, first, count, rstd, c, s = _prologue(x_ref, cos_ref, sin_ref, n=n, heads=heads, d=d,
+                                                bt=bt, bp=bp, eps=eps, whole=whole)
 
   def write(k, carry):
     head = first + k
@@ -157,11 +165,8 @@ def forward(x: jax.Array, weight: jax.Array | None, cos: jax.Array, sin: jax.Arr
 def _backward_kernel(x_ref, w_ref, cos_ref, sin_ref, g_ref, dx_ref, dw_ref, *, n, heads, d, bt,
                      bp, eps, offset, whole, has_weight):
   half = d // 2
-  i = pl.program_id(0)
-  mask = _masks(i, n, half, bt, bp)
-  first, count = _group(heads, d, whole)
-  rstd = _stats(x_ref, i, first, count, d=d, half=half, bt=bt, bp=bp, mask=mask, eps=eps)
-  c, s = _load(cos_ref, i, 0, bt, bp, mask), _load(sin_ref, i, 0, bt, bp, mask)
+  i, mask, first, count, rstd, c, s = _prologue(x_ref, cos_ref, sin_ref, n=n, heads=heads, d=d,
+                                                bt=bt, bp=bp, eps=eps, whole=whole)
   rows = pl.ds(i * bt, bt)
 
   def head_grads(k):

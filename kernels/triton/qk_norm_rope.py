@@ -3,10 +3,10 @@ from JAX through jax-triton: the kernels of :mod:`jaxfuse.kernels.pallas.qk_norm
 grid, arguments and outputs), written with ``@triton.jit``.
 
 ``x`` is ``[tokens, heads, head_dim]`` (contiguous: the kernels index it as
-``[tokens, heads * head_dim]``). A program owns ``BLOCK_T`` tokens and a group of ``COUNT`` heads (one, or all for a norm over
-the whole projection); each head is read as its two rotary halves of ``HALF`` columns, padded to
-the power of 2 ``BLOCK_H`` and masked. Arithmetic is float32; outputs are stored in their
-pointer's dtype.
+``[tokens, heads * head_dim]``). A program owns ``BLOCK_T`` tokens and a group of ``COUNT``
+heads (one, or all for a norm over the whole projection); each head is read as its two rotary
+halves of ``HALF`` columns, padded to the power of 2 ``BLOCK_H`` and masked. Arithmetic is
+float32; outputs are stored in their pointer's dtype.
 """
 
 from __future__ import annotations
@@ -48,11 +48,11 @@ def _weight(w_ptr, head, cols, col_ok, D: tl.constexpr, HALF: tl.constexpr,
 
 
 @triton.jit
-def qk_norm_rope_fwd_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr, N: tl.constexpr,
-                            WIDTH: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
-                            COUNT: tl.constexpr, EPS: tl.constexpr, OFFSET: tl.constexpr,
-                            WHOLE: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-                            BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+def _prologue(x_ptr, cos_ptr, sin_ptr, N: tl.constexpr, WIDTH: tl.constexpr, D: tl.constexpr,
+              HALF: tl.constexpr, COUNT: tl.constexpr, EPS: tl.constexpr,
+              BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+  """What both kernels start with: the program's rows and columns, the mask, its first head,
+  the heads' reciprocal RMS and the rows' rotation."""
   rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
   cols = tl.arange(0, BLOCK_H)
   col_ok = cols < HALF
@@ -61,6 +61,40 @@ def qk_norm_rope_fwd_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr, N: tl.constex
   rstd = _rstd(x_ptr, rows, cols, mask, first, WIDTH, D, HALF, COUNT, EPS, BLOCK_T)
   c = _tile(cos_ptr, rows, cols, mask, HALF)
   s = _tile(sin_ptr, rows, cols, mask, HALF)
+  return rows, cols, col_ok, mask, first, rstd, c, s
+
+
+@triton.jit
+def _head(x_ptr, w_ptr, g_ptr, rows, cols, col_ok, mask, head, rstd, c, s, WIDTH: tl.constexpr,
+          D: tl.constexpr, HALF: tl.constexpr, WHOLE: tl.constexpr, OFFSET: tl.constexpr,
+          HAS_WEIGHT: tl.constexpr):
+  """A head's halves in the backward: the normalized input ``xhat``, the gradient ``dn`` of the
+  scaled normalized input (the output gradient rotated back) and ``dxhat``, the gradient of
+  ``xhat``."""
+  col = head * D
+  g1 = _tile(g_ptr + col, rows, cols, mask, WIDTH)
+  g2 = _tile(g_ptr + col + HALF, rows, cols, mask, WIDTH)
+  dn1 = g1 * c + g2 * s
+  dn2 = g2 * c - g1 * s
+  dxh1 = dn1
+  dxh2 = dn2
+  if HAS_WEIGHT:
+    w1, w2 = _weight(w_ptr, head, cols, col_ok, D, HALF, WHOLE, OFFSET)
+    dxh1 = dn1 * w1[None, :]
+    dxh2 = dn2 * w2[None, :]
+  xh1 = _tile(x_ptr + col, rows, cols, mask, WIDTH) * rstd[:, None]
+  xh2 = _tile(x_ptr + col + HALF, rows, cols, mask, WIDTH) * rstd[:, None]
+  return xh1, xh2, dn1, dn2, dxh1, dxh2
+
+
+@triton.jit
+def qk_norm_rope_fwd_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr, N: tl.constexpr,
+                            WIDTH: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
+                            COUNT: tl.constexpr, EPS: tl.constexpr, OFFSET: tl.constexpr,
+                            WHOLE: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+                            BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+  rows, cols, col_ok, mask, first, rstd, c, s = _prologue(x_ptr, cos_ptr, sin_ptr, N, WIDTH, D,
+                                                          HALF, COUNT, EPS, BLOCK_T, BLOCK_H)
   for k in range(COUNT):
     head = first + k
     col = head * D
@@ -83,47 +117,22 @@ def qk_norm_rope_bwd_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, g_ptr, dx_ptr, dw_pt
                             HAS_WEIGHT: tl.constexpr, BLOCK_T: tl.constexpr,
                             BLOCK_H: tl.constexpr):
   """``dx`` and row ``program_id(0)`` of the float32 ``[blocks, WIDTH]`` weight partials."""
-  block = tl.program_id(0)
-  rows = block * BLOCK_T + tl.arange(0, BLOCK_T)
-  cols = tl.arange(0, BLOCK_H)
-  col_ok = cols < HALF
-  mask = (rows[:, None] < N) & col_ok[None, :]
-  first = tl.program_id(1) * COUNT
-  rstd = _rstd(x_ptr, rows, cols, mask, first, WIDTH, D, HALF, COUNT, EPS, BLOCK_T)
-  c = _tile(cos_ptr, rows, cols, mask, HALF)
-  s = _tile(sin_ptr, rows, cols, mask, HALF)
+  rows, cols, col_ok, mask, first, rstd, c, s = _prologue(x_ptr, cos_ptr, sin_ptr, N, WIDTH, D,
+                                                          HALF, COUNT, EPS, BLOCK_T, BLOCK_H)
   dot = tl.zeros([BLOCK_T], dtype=tl.float32)
   for k in range(COUNT):   # sum(xhat * dxhat) over the group
-    head = first + k
-    col = head * D
-    g1 = _tile(g_ptr + col, rows, cols, mask, WIDTH)
-    g2 = _tile(g_ptr + col + HALF, rows, cols, mask, WIDTH)
-    dn1 = g1 * c + g2 * s
-    dn2 = g2 * c - g1 * s
-    if HAS_WEIGHT:
-      w1, w2 = _weight(w_ptr, head, cols, col_ok, D, HALF, WHOLE, OFFSET)
-      dn1 = dn1 * w1[None, :]
-      dn2 = dn2 * w2[None, :]
-    xh1 = _tile(x_ptr + col, rows, cols, mask, WIDTH) * rstd[:, None]
-    xh2 = _tile(x_ptr + col + HALF, rows, cols, mask, WIDTH) * rstd[:, None]
-    dot += tl.sum(xh1 * dn1 + xh2 * dn2, axis=1)
+    xh1, xh2, dn1, dn2, dxh1, dxh2 = _head(x_ptr, w_ptr, g_ptr, rows, cols, col_ok, mask,
+                                           first + k, rstd, c, s, WIDTH, D, HALF, WHOLE, OFFSET,
+                                           HAS_WEIGHT)
+    dot += tl.sum(xh1 * dxh1 + xh2 * dxh2, axis=1)
   mean_dot = dot / (COUNT * D)
   for k in range(COUNT):
-    head = first + k
-    col = head * D
-    g1 = _tile(g_ptr + col, rows, cols, mask, WIDTH)
-    g2 = _tile(g_ptr + col + HALF, rows, cols, mask, WIDTH)
-    dn1 = g1 * c + g2 * s
-    dn2 = g2 * c - g1 * s
-    xh1 = _tile(x_ptr + col, rows, cols, mask, WIDTH) * rstd[:, None]
-    xh2 = _tile(x_ptr + col + HALF, rows, cols, mask, WIDTH) * rstd[:, None]
-    dxh1 = dn1
-    dxh2 = dn2
+    col = (first + k) * D
+    xh1, xh2, dn1, dn2, dxh1, dxh2 = _head(x_ptr, w_ptr, g_ptr, rows, cols, col_ok, mask,
+                                           first + k, rstd, c, s, WIDTH, D, HALF, WHOLE, OFFSET,
+                                           HAS_WEIGHT)
     if HAS_WEIGHT:
-      w1, w2 = _weight(w_ptr, head, cols, col_ok, D, HALF, WHOLE, OFFSET)
-      dxh1 = dn1 * w1[None, :]
-      dxh2 = dn2 * w2[None, :]
-      partial = block.to(tl.int64) * WIDTH + col + cols
+      partial = tl.program_id(0).to(tl.int64) * WIDTH + col + cols
       tl.store(dw_ptr + partial, tl.sum(tl.where(mask, dn1 * xh1, 0.0), axis=0), mask=col_ok)
       tl.store(dw_ptr + partial + HALF, tl.sum(tl.where(mask, dn2 * xh2, 0.0), axis=0),
                mask=col_ok)
