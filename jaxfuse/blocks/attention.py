@@ -118,12 +118,13 @@ def merge_heads(x: jax.Array) -> jax.Array:
 
 def causal_attention(query: jax.Array, key: jax.Array, value: jax.Array, *, fused: bool,
                      sliding_window: int | None = None, scale: float | None = None,
-                     logit_softcap: float | None = None,
+                     logit_softcap: float | None = None, segment_ids: jax.Array | None = None,
                      implementation: str | None = None) -> jax.Array:
   """Causal self-attention of rotated heads ``[batch, seq, heads, head_dim]`` (keys and values
   may have fewer heads), each query seeing at most ``sliding_window`` keys (itself included),
   the scores scaled by ``scale`` (default ``1 / sqrt(head_dim)``) and soft-capped by
-  ``logit_softcap``.
+  ``logit_softcap``. With ``segment_ids`` ``[batch, seq]`` (packed documents), a query sees
+  only the keys of its own segment.
 
   ``fused``: :func:`jaxfuse.ops.attention` (keeps its output and log-sum-exp, never the
   scores), or, where the mesh splits the sequence (context parallelism), jaxfuse's ring
@@ -139,20 +140,26 @@ def causal_attention(query: jax.Array, key: jax.Array, value: jax.Array, *, fuse
     (1, 6, 4, 8)
   """
   if parallel.mesh_size("seq") > 1:
-    if not fused or sliding_window is not None or logit_softcap is not None:
+    if (not fused or sliding_window is not None or logit_softcap is not None
+        or segment_ids is not None):
       raise ValueError("Decoder: a sequence split over the mesh (context parallelism) runs "
-                       "jaxfuse's ring attention: it needs fused=True, no sliding window and "
-                       "no logit soft-cap")
+                       "jaxfuse's ring attention: it needs fused=True, no sliding window, no "
+                       "logit soft-cap and no segment ids (packed documents)")
     return parallel.context_parallel_attention(query, key, value, causal=True, scale=scale,
                                                implementation=implementation)
   if fused:
     return attention(query, key, value, causal=True, scale=scale, sliding_window=sliding_window,
-                     logit_softcap=logit_softcap, implementation=implementation)
+                     logit_softcap=logit_softcap, segment_ids=segment_ids,
+                     implementation=implementation)
   if logit_softcap is not None:
     out = attention_reference(query, key, value, causal=True, scale=scale,
-                              sliding_window=sliding_window, logit_softcap=logit_softcap)
+                              sliding_window=sliding_window, logit_softcap=logit_softcap,
+                              segment_ids=segment_ids)
   else:
     local = None if sliding_window is None else (sliding_window - 1, 0)
-    out = jax.nn.dot_product_attention(query, key, value, is_causal=True, scale=scale,
-                                       local_window_size=local, implementation="xla")
+    mask = (None if segment_ids is None
+            else (segment_ids[:, None, :, None] == segment_ids[:, None, None, :]))
+    out = jax.nn.dot_product_attention(query, key, value, mask=mask, is_causal=True,
+                                       scale=scale, local_window_size=local,
+                                       implementation="xla")
   return checkpoint_name(out, names.ATTN_OUT)

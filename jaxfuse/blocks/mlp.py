@@ -12,7 +12,9 @@ Two kinds, each named after the module that holds it:
 Kernels are ``[in, out]`` (``flax`` ``Linear`` / ``Dense``). Each computation names what it
 computes (``mlp.gate``, ``mlp.up`` or ``mlp.pre``, ``mlp.hidden``, ``mlp.down`` of
 :mod:`jaxfuse.ops.names`) so that a recomputation policy can choose what to keep;
-:mod:`jaxfuse.remat.mlp` wraps them with the modules' ``recompute=`` choices.
+:mod:`jaxfuse.remat.mlp` wraps them with the modules' ``recompute=`` choices. A projection with
+a LoRA adapter (``adapters={name: Adapter}``, :class:`jaxfuse.blocks.linear.Adapter`) adds it in
+the same op (:func:`jaxfuse.ops.lora_dense`, which names its ``x @ lora_a`` ``lora.xa``).
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ from collections.abc import Callable, Mapping
 import jax
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxfuse.blocks.linear import Adapter
 from jaxfuse.blocks.torch_names import linear_torch_params
-from jaxfuse.ops import bias_act, dense, glu, names
+from jaxfuse.ops import bias_act, dense, glu, lora_dense, names
 from jaxfuse.parallel.rules import constrain
 
 GATED = "gated"
@@ -61,11 +64,33 @@ def torch_params(kind: str, use_bias: bool) -> dict:
   return linear_torch_params(biases(kind, use_bias))
 
 
+def _project(x, kernel, bias, adapter: Adapter | None, precision):
+  """A projection: :func:`jaxfuse.ops.dense`, or :func:`jaxfuse.ops.lora_dense` with its
+  adapter."""
+  if adapter is None:
+    return dense(x, kernel, bias, precision=precision)
+  return lora_dense(x, kernel, adapter.lora_a, adapter.lora_b, bias, scale=adapter.scale,
+                    precision=precision)
+
+
+def check_adapters(kind: str, adapters: Mapping[str, Adapter | None] | None,
+                   owner: str = "mlp") -> dict[str, Adapter]:
+  """The adapters given (None entries dropped); raises ``ValueError`` (starting with ``owner``)
+  for a name that is not a projection of ``kind``."""
+  adapters = {name: a for name, a in (adapters or {}).items() if a is not None}
+  unknown = sorted(set(adapters) - set(PROJECTIONS[kind]))
+  if unknown:
+    raise ValueError(f"{owner}: adapters has {unknown}, which are not projections of a {kind} "
+                     f"MLP {PROJECTIONS[kind]}")
+  return adapters
+
+
 def gated_mlp(x: jax.Array, gate_kernel: jax.Array, up_kernel: jax.Array,
               down_kernel: jax.Array, gate_bias: jax.Array | None = None,
               up_bias: jax.Array | None = None, down_bias: jax.Array | None = None, *,
               activation: str | Callable = "silu", precision=_HIGHEST,
-              implementation: str | None = None) -> jax.Array:
+              implementation: str | None = None,
+              adapters: Mapping[str, Adapter] | None = None) -> jax.Array:
   """``(act(x @ gate_kernel) * (x @ up_kernel)) @ down_kernel`` (with the biases given).
 
   Under a mesh the hidden width is split (Megatron's column- then row-parallel MLP). Nothing is
@@ -79,6 +104,8 @@ def gated_mlp(x: jax.Array, gate_kernel: jax.Array, up_kernel: jax.Array,
     activation: the gate's activation, as :func:`jaxfuse.ops.glu` takes it.
     precision: the matmuls' precision (HIGHEST: no TF32 for float32 on GPUs, as torch).
     implementation: passed to :func:`jaxfuse.ops.glu`.
+    adapters: ``{projection: Adapter}``, LoRA adapters of some of ``gate_proj``, ``up_proj``
+      and ``down_proj`` (in x's dtype).
 
   Example:
     >>> import jax.numpy as jnp
@@ -87,19 +114,21 @@ def gated_mlp(x: jax.Array, gate_kernel: jax.Array, up_kernel: jax.Array,
     >>> gated_mlp(x, wg, wu, wd, activation="gelu").shape
     (4, 8)
   """
-  gate = checkpoint_name(constrain(dense(x, gate_kernel, gate_bias, precision=precision),
-                                   ..., "act_mlp"), names.MLP_GATE)
-  up = checkpoint_name(constrain(dense(x, up_kernel, up_bias, precision=precision),
-                                 ..., "act_mlp"), names.MLP_UP)
+  adapters = check_adapters(GATED, adapters, "gated_mlp")
+  gate = _project(x, gate_kernel, gate_bias, adapters.get("gate_proj"), precision)
+  gate = checkpoint_name(constrain(gate, ..., "act_mlp"), names.MLP_GATE)
+  up = _project(x, up_kernel, up_bias, adapters.get("up_proj"), precision)
+  up = checkpoint_name(constrain(up, ..., "act_mlp"), names.MLP_UP)
   hidden = checkpoint_name(glu(gate, up, activation, implementation=implementation),
                            names.MLP_HIDDEN)
-  return checkpoint_name(dense(hidden, down_kernel, down_bias, precision=precision),
-                         names.MLP_DOWN)
+  return checkpoint_name(_project(hidden, down_kernel, down_bias, adapters.get("down_proj"),
+                                  precision), names.MLP_DOWN)
 
 
 def mlp(x: jax.Array, up_kernel: jax.Array, up_bias: jax.Array, down_kernel: jax.Array,
         down_bias: jax.Array | None = None, *, activation: str | Callable = "gelu",
-        precision=_HIGHEST, implementation: str | None = None) -> jax.Array:
+        precision=_HIGHEST, implementation: str | None = None,
+        adapters: Mapping[str, Adapter] | None = None) -> jax.Array:
   """``act(x @ up_kernel + up_bias) @ down_kernel + down_bias``, the bias and activation fused
   by :func:`jaxfuse.ops.bias_act` (nothing recomputed: see :func:`jaxfuse.remat.mlp.mlp`).
 
@@ -110,12 +139,15 @@ def mlp(x: jax.Array, up_kernel: jax.Array, up_bias: jax.Array, down_kernel: jax
     activation: as :func:`jaxfuse.ops.bias_act` takes it.
     precision: the matmuls' precision.
     implementation: passed to :func:`jaxfuse.ops.bias_act`.
+    adapters: ``{projection: Adapter}``, LoRA adapters of ``up_proj`` and/or ``down_proj``.
   """
-  pre = checkpoint_name(dense(x, up_kernel, None, precision=precision), names.MLP_PRE)
+  adapters = check_adapters(PLAIN, adapters, "mlp")
+  pre = checkpoint_name(_project(x, up_kernel, None, adapters.get("up_proj"), precision),
+                        names.MLP_PRE)
   hidden = checkpoint_name(bias_act(pre, up_bias, activation, implementation=implementation),
                            names.MLP_HIDDEN)
-  return checkpoint_name(dense(hidden, down_kernel, down_bias, precision=precision),
-                         names.MLP_DOWN)
+  return checkpoint_name(_project(hidden, down_kernel, down_bias, adapters.get("down_proj"),
+                                  precision), names.MLP_DOWN)
 
 
 BLOCKS: dict[str, Callable] = {GATED: gated_mlp, PLAIN: mlp}

@@ -172,7 +172,7 @@ class Decoder(LayerStack, nnx.Module):
     carry)`` runs block ``i``; ``batch`` is ``(tokens, ...)`` or the tokens."""
     tokens = batch[0] if isinstance(batch, (tuple, list)) else batch
     positions = jnp.arange(tokens.shape[-1])
-    return ((lambda block, carry, index=0: block.step(carry, positions, index)),
+    return ((lambda block, carry, index=0: block.step(carry, positions, None, index)),
             self.block_carry(tokens))
 
   # Training -----------------------------------------------------------------------------------
@@ -185,30 +185,38 @@ class Decoder(LayerStack, nnx.Module):
     parts = parallel.mesh_size("seq")
     return None if parts == 1 else parallel.zigzag_order(length, parts)
 
-  def _hidden(self, tokens, positions):
-    """The final hidden states in the blocks' order, with the positions the blocks saw."""
+  def _hidden(self, tokens, positions, segment_ids):
+    """The final hidden states in the blocks' order, with the order the blocks saw them in."""
     if positions is None:
       positions = jnp.arange(tokens.shape[-1])
     order = self.sequence_order(tokens.shape[-1])
     if order is not None:
       tokens, positions = tokens[..., order], positions[..., order]
-    carry = self.apply_blocks(self.block_carry(tokens), positions)
+      if segment_ids is not None:
+        segment_ids = segment_ids[..., order]
+    carry = self.apply_blocks(self.block_carry(tokens), positions, segment_ids)
     if isinstance(carry, tuple):
       h = self.norm.add(*carry)[0]
     else:
       h = self.norm(carry)
     return parallel.constrain(h, *FULL_SEQ), order
 
-  def hidden(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+  def hidden(self, tokens: jax.Array, positions: jax.Array | None = None,
+             segment_ids: jax.Array | None = None) -> jax.Array:
     """The final normalized hidden states ``[batch, seq, d_model]``."""
-    h, order = self._hidden(tokens, positions)
+    h, order = self._hidden(tokens, positions, segment_ids)
     return h if order is None else h[:, np.argsort(order)]
 
   def __call__(self, tokens: jax.Array, targets: jax.Array,
-               positions: jax.Array | None = None) -> jax.Array:
+               positions: jax.Array | None = None,
+               segment_ids: jax.Array | None = None) -> jax.Array:
     """The mean cross-entropy of ``targets`` (``IGNORE_INDEX`` where none; see
-    :func:`next_token_targets`) given ``tokens``."""
-    h, order = self._hidden(tokens, positions)
+    :func:`next_token_targets`) given ``tokens``, over the batch's valid targets.
+
+    Packed rows (several documents in one row): ``positions`` ``[batch, seq]`` restart at each
+    document, ``segment_ids`` ``[batch, seq]`` keep attention inside each document, and the
+    targets hold ``IGNORE_INDEX`` at each document's last token (see :mod:`jaxfuse.data`)."""
+    h, order = self._hidden(tokens, positions, segment_ids)
     if order is not None:
       # The targets in the blocks' order, and the tokens sequence-major: the sequence is split
       # over the mesh, so that flattening [seq, batch] into the loss's rows moves no data.
@@ -228,9 +236,10 @@ class Decoder(LayerStack, nnx.Module):
     cap = self.cfg.final_logit_softcap
     return logits if cap is None else cap * jnp.tanh(logits / cap)
 
-  def logits(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+  def logits(self, tokens: jax.Array, positions: jax.Array | None = None,
+             segment_ids: jax.Array | None = None) -> jax.Array:
     """Float32 logits ``[batch, seq, V]`` of every position (materialized)."""
-    return self.logits_from_hidden(self.hidden(tokens, positions))
+    return self.logits_from_hidden(self.hidden(tokens, positions, segment_ids))
 
   # Decoding with a KV cache (jaxfuse.models.decoding) ---------------------------------------
 

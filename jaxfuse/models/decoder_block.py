@@ -45,18 +45,23 @@ NORMS = {
 
 
 def make_linear(cfg: DecoderConfig, n_in: int, n_out: int, use_bias: bool, rngs: nnx.Rngs):
-  """An ``nnx.Linear`` (kernel ``[in, out]``) initialized as the config says."""
+  """An ``nnx.Linear`` (kernel ``[in, out]``) initialized as the config says; it may later get
+  a LoRA adapter (:func:`jaxfuse.nnx.apply_lora`), which :func:`_project` adds."""
   return nnx.Linear(n_in, n_out, use_bias=use_bias, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
                     precision=HIGHEST, rngs=rngs,
                     kernel_init=nnx.initializers.normal(cfg.initializer_range))
 
 
 def _project(linear: nnx.Linear, x: jax.Array, fused: bool) -> jax.Array:
-  """``x @ kernel + bias``: jaxfuse's dense (:func:`jaxfuse.blocks.linear.project`), or the
-  plain ``nnx.Linear`` call."""
+  """``x @ kernel + bias``, plus ``scale * (x @ lora_a) @ lora_b`` where ``linear`` has a LoRA
+  adapter: jaxfuse's dense or LoRA op (:func:`jaxfuse.blocks.linear.project`), or the plain
+  ``nnx.Linear`` call and the adapter's two products."""
+  adapter = jnnx.adapter_of(linear)
   if not fused:
-    return linear(x)
-  return project(x, linear.kernel[...], None if linear.bias is None else linear.bias[...])
+    y = linear(x)
+    return y if adapter is None else y + adapter.delta(x.astype(y.dtype), linear.precision)
+  return project(x, linear.kernel[...], None if linear.bias is None else linear.bias[...],
+                 adapter=adapter)
 
 
 def by_kind(cfg: DecoderConfig, index, fn):
@@ -199,21 +204,26 @@ class Attention(nnx.Module):
     out = _project(self.o_proj, o, self.fused)
     return checkpoint_name(parallel.constrain(out, *STREAM), names.ATTN_PROJ)
 
-  def attend(self, kind: str, x: jax.Array, positions: jax.Array) -> jax.Array:
-    """Causal attention of ``x`` at ``positions`` in a layer of ``kind``."""
+  def attend(self, kind: str, x: jax.Array, positions: jax.Array,
+             segment_ids: jax.Array | None = None) -> jax.Array:
+    """Causal attention of ``x`` at ``positions`` in a layer of ``kind``, within the segments
+    of ``segment_ids`` (packed documents) where given."""
     cfg = self.cfg
     q, k, v = self.heads(x, positions, kind)
     o = attention_blocks.causal_attention(q, k, v, fused=self.fused,
                                           sliding_window=cfg.window(kind),
                                           scale=cfg.attention_scale,
                                           logit_softcap=cfg.attn_logit_softcap,
+                                          segment_ids=segment_ids,
                                           implementation=self.implementation)
     return self.out(o)
 
-  def __call__(self, x: jax.Array, positions: jax.Array, index=0) -> jax.Array:
+  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None,
+               index=0) -> jax.Array:
     """Causal attention of ``x`` at ``positions`` (in zig-zag order when the sequence is split
-    over the mesh: see :meth:`jaxfuse.models.Decoder.sequence_order`) in layer ``index``."""
-    return by_kind(self.cfg, index, lambda kind: self.attend(kind, x, positions))
+    over the mesh: see :meth:`jaxfuse.models.Decoder.sequence_order`) in layer ``index``, each
+    token seeing only its own segment of ``segment_ids`` where given."""
+    return by_kind(self.cfg, index, lambda kind: self.attend(kind, x, positions, segment_ids))
 
   def decode(self, x: jax.Array, positions: jax.Array, cache: dict, length: jax.Array,
              kind: str = "full"):
@@ -224,7 +234,7 @@ class Attention(nnx.Module):
 class MLP(jnnx.GatedMLP):
   """The gated MLP: ``down_proj(act(gate_proj(x)) * up_proj(x))`` (SwiGLU, Gemma's GeLU-tanh);
   the fused path is :class:`jaxfuse.nnx.GatedMLP`'s, the unfused one calls the ``nnx.Linear``
-  submodules."""
+  submodules (and their LoRA adapters, where they have them: see :func:`_project`)."""
 
   def __init__(self, cfg: DecoderConfig, *, fused: bool, implementation: str | None,
                rngs: nnx.Rngs):
@@ -237,10 +247,11 @@ class MLP(jnnx.GatedMLP):
   def __call__(self, x: jax.Array) -> jax.Array:
     if self.fused:
       return parallel.constrain(super().__call__(x), *STREAM)
-    gate = checkpoint_name(self.gate_proj(x), names.MLP_GATE)
-    up = checkpoint_name(self.up_proj(x), names.MLP_UP)
+    gate = checkpoint_name(_project(self.gate_proj, x, False), names.MLP_GATE)
+    up = checkpoint_name(_project(self.up_proj, x, False), names.MLP_UP)
     hidden = checkpoint_name(ops.activations.get(self.activation)(gate) * up, names.MLP_HIDDEN)
-    return checkpoint_name(parallel.constrain(self.down_proj(hidden), *STREAM), names.MLP_DOWN)
+    down = _project(self.down_proj, hidden, False)
+    return checkpoint_name(parallel.constrain(down, *STREAM), names.MLP_DOWN)
 
 
 def make_attention(cfg: DecoderConfig, fused: bool, implementation: str | None,
@@ -275,17 +286,19 @@ class Block(nnx.Module):
     return tuple(None if name is None else getattr(self, name)
                  for name in NORMS[self.placement])
 
-  def __call__(self, h: jax.Array, positions: jax.Array, index=0) -> jax.Array:
-    """The block on the residual stream ``h``, one residual add after each of its halves."""
+  def __call__(self, h: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None,
+               index=0) -> jax.Array:
+    """The block on the residual stream ``h``, one residual add after each of its halves;
+    attention within the segments of ``segment_ids`` where given."""
     before_attn, after_attn, before_mlp, after_mlp = self._norms()
     h = parallel.constrain(h, *STREAM)
-    a = self.self_attn(before_attn(h) if before_attn else h, positions, index)
+    a = self.self_attn(before_attn(h) if before_attn else h, positions, segment_ids, index)
     h = h + (after_attn(a) if after_attn else a)
     m = self.mlp(before_mlp(h) if before_mlp else h)
     return h + (after_mlp(m) if after_mlp else m)
 
   def fused_call(self, pending: jax.Array, stream: jax.Array, positions: jax.Array,
-                 index=0) -> tuple[jax.Array, jax.Array]:
+                 segment_ids: jax.Array | None = None, index=0) -> tuple[jax.Array, jax.Array]:
     """The fused block of a family with norms before attention and the MLP: the residual
     stream is ``stream + pending``, where ``pending`` is the previous block's MLP output
     (zeros before the first block), added by this block's input norm in the same op. Returns
@@ -295,19 +308,20 @@ class Block(nnx.Module):
     pending = checkpoint_name(parallel.constrain(pending, *STREAM), names.BLOCK_INPUT)
     stream = checkpoint_name(parallel.constrain(stream, *STREAM), names.BLOCK_INPUT)
     normed, stream = before_attn.add(pending, stream)
-    a = self.self_attn(normed, positions, index)
+    a = self.self_attn(normed, positions, segment_ids, index)
     normed, stream = before_mlp.add(after_attn(a) if after_attn else a, stream)
     m = self.mlp(normed)
     return (after_mlp(m) if after_mlp else m), stream
 
-  def stream_call(self, h: jax.Array, positions: jax.Array, index=0) -> jax.Array:
+  def stream_call(self, h: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None,
+                  index=0) -> jax.Array:
     """The fused block on the whole residual stream ``h``: the add after attention is fused
     with the norm before the MLP (where there is one); the MLP's output is added to the stream
     by itself. One array crosses the block's boundary (what a recomputed block keeps) instead
     of two."""
     before_attn, after_attn, before_mlp, after_mlp = self._norms()
     h = checkpoint_name(parallel.constrain(h, *STREAM), names.BLOCK_INPUT)
-    a = self.self_attn(before_attn(h) if before_attn else h, positions, index)
+    a = self.self_attn(before_attn(h) if before_attn else h, positions, segment_ids, index)
     a = after_attn(a) if after_attn else a
     if before_mlp is None:
       stream = h + a
@@ -323,15 +337,15 @@ class Block(nnx.Module):
     has a norm before attention)."""
     return NORMS[cfg.norm_placement][0] is not None
 
-  def step(self, carry, positions, index=0):
+  def step(self, carry, positions, segment_ids=None, index=0):
     """One block on the carry of :meth:`jaxfuse.models.Decoder.hidden`: ``(pending, stream)``
-    when fused across blocks (a tuple), the residual stream otherwise; ``index`` is the
-    layer's."""
+    when fused across blocks (a tuple), the residual stream otherwise; ``segment_ids`` (or
+    None) those of packed documents; ``index`` is the layer's."""
     if isinstance(carry, tuple):
-      return self.fused_call(*carry, positions, index)
+      return self.fused_call(*carry, positions, segment_ids, index)
     if self.fused:
-      return self.stream_call(carry, positions, index)
-    return self(checkpoint_name(carry, names.BLOCK_INPUT), positions, index)
+      return self.stream_call(carry, positions, segment_ids, index)
+    return self(checkpoint_name(carry, names.BLOCK_INPUT), positions, segment_ids, index)
 
 
 __all__ = ["Attention", "Block", "MLP", "NORMS", "RMSNorm", "by_kind", "make_attention",

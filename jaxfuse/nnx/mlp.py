@@ -10,7 +10,8 @@ Parameters live in ``flax.nnx.Linear`` submodules, so their names and layouts ar
 
 The submodules are not called: the modules pass their arrays to the blocks of
 :mod:`jaxfuse.blocks.mlp`, which fuse the activation, through :mod:`jaxfuse.remat.mlp`, which
-recomputes the hidden activation in the backward pass (``recompute=``, see there).
+recomputes the hidden activation in the backward pass (``recompute=``, see there). Projections
+given LoRA adapters by :func:`jaxfuse.nnx.apply_lora` add them in the same ops.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from flax.nnx.nn import dtypes, initializers
 
 from jaxfuse.blocks import mlp as blocks
 from jaxfuse.blocks.torch_names import linear_torch_params
+from jaxfuse.nnx.lora import adapter_of
 from jaxfuse.remat import mlp as remat_mlp
 
 _DEFAULT_KERNEL_INIT = initializers.lecun_normal()
@@ -64,9 +66,12 @@ class _Block(nnx.Module):
       values += [proj.kernel[...], None if proj.bias is None else proj.bias[...]]
     x, *arrays = dtypes.promote_dtype(values, dtype=self.dtype)
     params = dict(zip(self._projections(), zip(arrays[::2], arrays[1::2])))
+    # LoRA adapters (jaxfuse.nnx.apply_lora), in the computation's dtype.
+    adapters = {name: adapter.astype(x.dtype) for name, proj in self._projections().items()
+                if (adapter := adapter_of(proj)) is not None}
     return remat_mlp.mlp_block(self.KIND, x, params, recompute=self.recompute,
-                               activation=self.activation, precision=self.precision,
-                               implementation=self.implementation)
+                               adapters=adapters, activation=self.activation,
+                               precision=self.precision, implementation=self.implementation)
 
   @property
   def TORCH_PARAMS(self) -> dict:  # noqa: N802 (the name every module's map has)

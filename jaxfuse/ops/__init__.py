@@ -11,6 +11,7 @@ from jaxfuse.ops.elementwise import add_act, add_act_reference, add_act_unfused,
 from jaxfuse.ops.flash_attention import attention, attention_reference, dot_product_attention
 from jaxfuse.ops.gated_linear import glu, glu_reference
 from jaxfuse.ops.linear import dense, dense_reference, linear_reference, recompute_linear
+from jaxfuse.ops.lora import lora_dense, lora_dense_reference
 from jaxfuse.ops.normalization import (add_layer_norm, add_layer_norm_reference, add_rms_norm,
                                        add_rms_norm_reference, add_rms_norm_unfused, layer_norm,
                                        layer_norm_reference, rms_norm, rms_norm_reference)
@@ -46,6 +47,8 @@ __all__ = [
     "linear_cross_entropy_reference",
     "linear_logits",
     "linear_reference",
+    "lora_dense",
+    "lora_dense_reference",
     "names",
     "pallas_interpret",
     "qk_norm_rope",

@@ -25,6 +25,7 @@ name             value                                                 tagged by
 ``mlp.pre``      the up projection before bias and activation          :mod:`jaxfuse.remat.mlp`
 ``mlp.hidden``   the hidden activation, the down projection's input    :mod:`jaxfuse.remat.mlp`
 ``mlp.down``     the down projection's output                          :mod:`jaxfuse.remat.mlp`
+``lora.xa``      a LoRA adapter's ``x @ lora_a``, ``[..., rank]``      :mod:`jaxfuse.ops.lora`
 ===============  ====================================================  ==========================
 
 Example:
@@ -51,6 +52,7 @@ MLP_UP = "mlp.up"
 MLP_PRE = "mlp.pre"
 MLP_HIDDEN = "mlp.hidden"
 MLP_DOWN = "mlp.down"
+LORA_XA = "lora.xa"
 
 ALL = (BLOCK_INPUT, NORM_INPUT, NORM_MEAN, NORM_RSTD, NORM_OUT, ATTN_Q, ATTN_K, ATTN_V,
-       ATTN_OUT, ATTN_LSE, ATTN_PROJ, MLP_GATE, MLP_UP, MLP_PRE, MLP_HIDDEN, MLP_DOWN)
+       ATTN_OUT, ATTN_LSE, ATTN_PROJ, MLP_GATE, MLP_UP, MLP_PRE, MLP_HIDDEN, MLP_DOWN, LORA_XA)

@@ -13,6 +13,10 @@ The Flax modules in :mod:`jaxfuse.nnx` and :mod:`jaxfuse.linen` hold the paramet
   matmuls in the backward).
 - ``None``: no recomputation: the fused op keeps its inputs, and the hidden activation is kept for
   the down projection.
+
+Projections with a LoRA adapter (``adapters=``) keep, besides, their ``x @ lora_a``
+(``lora.xa``, ``[..., rank]``) under ``"activation"`` and ``None``, and recompute it under
+``"block"``; the adapters' outputs are part of the projections' (``mlp.gate``, ``mlp.up``, ...).
 """
 
 from __future__ import annotations
@@ -23,12 +27,15 @@ from collections.abc import Callable, Mapping
 import jax
 
 from jaxfuse.blocks import mlp as blocks
+from jaxfuse.blocks.linear import Adapter
 from jaxfuse.ops import names
 from jaxfuse.remat.recompute import recompute as _recompute
 
 RECOMPUTE = ("activation", "block", None)
-# What recompute="activation" keeps of each kind of block.
-ACTIVATION_KEEPS = {blocks.GATED: [names.MLP_GATE, names.MLP_UP], blocks.PLAIN: [names.MLP_PRE]}
+# What recompute="activation" keeps of each kind of block: the projections' outputs, and the
+# LoRA adapters' x @ lora_a ([..., rank]: small, and kept rather than recomputed from x).
+ACTIVATION_KEEPS = {blocks.GATED: [names.MLP_GATE, names.MLP_UP, names.LORA_XA],
+                    blocks.PLAIN: [names.MLP_PRE, names.LORA_XA]}
 
 
 def check_recompute(recompute: str | None, owner: str | None = None) -> None:
@@ -40,18 +47,23 @@ def check_recompute(recompute: str | None, owner: str | None = None) -> None:
 
 
 def mlp_block(kind: str, x: jax.Array, params: Mapping[str, tuple], *,
-              recompute: str | None = "activation", **settings) -> jax.Array:
+              recompute: str | None = "activation",
+              adapters: Mapping[str, Adapter | None] | None = None, **settings) -> jax.Array:
   """The ``kind`` of block (:data:`jaxfuse.blocks.mlp.KINDS`) of ``x`` with ``params``
-  ``{projection: (kernel, bias)}``, keeping what ``recompute`` says.
+  ``{projection: (kernel, bias)}`` and LoRA ``adapters`` ``{projection: Adapter}`` (None or
+  absent: none), keeping what ``recompute`` says.
 
   ``settings``: ``activation``, ``precision`` and ``implementation``, as
   :func:`jaxfuse.blocks.mlp.gated_mlp` and :func:`jaxfuse.blocks.mlp.mlp` take them.
   """
   check_recompute(recompute)
+  adapters = blocks.check_adapters(kind, adapters, "mlp_block")
   block: Callable = functools.partial(blocks.BLOCKS[kind], **settings)
   if recompute is not None:
     keep = ACTIVATION_KEEPS[kind] if recompute == "activation" else "nothing"
     block = _recompute(block, policy=keep)
+  if adapters:   # a pytree argument: the arrays traced, each scale static
+    return block(x, *blocks.arguments(kind, params), adapters=adapters)
   return block(x, *blocks.arguments(kind, params))
 
 
@@ -59,11 +71,11 @@ def gated_mlp(x: jax.Array, gate_kernel: jax.Array, up_kernel: jax.Array,
               down_kernel: jax.Array, *, gate_bias: jax.Array | None = None,
               up_bias: jax.Array | None = None, down_bias: jax.Array | None = None,
               activation: str | Callable = "silu", recompute: str | None = "activation",
-              precision=jax.lax.Precision.HIGHEST,
-              implementation: str | None = None) -> jax.Array:
+              precision=jax.lax.Precision.HIGHEST, implementation: str | None = None,
+              adapters: Mapping[str, Adapter] | None = None) -> jax.Array:
   """``(act(x @ gate_kernel) * (x @ up_kernel)) @ down_kernel``, the LLaMA MLP (SwiGLU), keeping
-  what ``recompute`` says (see the module docstring); the other arguments are
-  :func:`jaxfuse.blocks.mlp.gated_mlp`'s.
+  what ``recompute`` says (see the module docstring); the other arguments (LoRA ``adapters``
+  included) are :func:`jaxfuse.blocks.mlp.gated_mlp`'s.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -74,17 +86,18 @@ def gated_mlp(x: jax.Array, gate_kernel: jax.Array, up_kernel: jax.Array,
   """
   params = {"gate_proj": (gate_kernel, gate_bias), "up_proj": (up_kernel, up_bias),
             "down_proj": (down_kernel, down_bias)}
-  return mlp_block(blocks.GATED, x, params, recompute=recompute, activation=activation,
-                   precision=precision, implementation=implementation)
+  return mlp_block(blocks.GATED, x, params, recompute=recompute, adapters=adapters,
+                   activation=activation, precision=precision, implementation=implementation)
 
 
 def mlp(x: jax.Array, up_kernel: jax.Array, up_bias: jax.Array, down_kernel: jax.Array,
         down_bias: jax.Array | None = None, *, activation: str | Callable = "gelu",
         recompute: str | None = "activation", precision=jax.lax.Precision.HIGHEST,
-        implementation: str | None = None) -> jax.Array:
+        implementation: str | None = None,
+        adapters: Mapping[str, Adapter] | None = None) -> jax.Array:
   """``act(x @ up_kernel + up_bias) @ down_kernel + down_bias``, the bias and activation fused
   by :func:`jaxfuse.ops.bias_act`, keeping what ``recompute`` says (see the module docstring);
-  the other arguments are :func:`jaxfuse.blocks.mlp.mlp`'s.
+  the other arguments (LoRA ``adapters`` included) are :func:`jaxfuse.blocks.mlp.mlp`'s.
 
   Example:
     >>> import jax.numpy as jnp
@@ -94,5 +107,5 @@ def mlp(x: jax.Array, up_kernel: jax.Array, up_bias: jax.Array, down_kernel: jax
     (4, 8)
   """
   params = {"up_proj": (up_kernel, up_bias), "down_proj": (down_kernel, down_bias)}
-  return mlp_block(blocks.PLAIN, x, params, recompute=recompute, activation=activation,
-                   precision=precision, implementation=implementation)
+  return mlp_block(blocks.PLAIN, x, params, recompute=recompute, adapters=adapters,
+                   activation=activation, precision=precision, implementation=implementation)

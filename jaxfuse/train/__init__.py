@@ -31,7 +31,13 @@ Parallelism: ``--mesh data=2,fsdp=2,tensor=2`` (any of the axes ``data``, ``fsdp
 trains on a device mesh: parameters and optimizer state placed by their logical axes, each batch
 split over ``data`` and ``fsdp`` (and its sequence over ``context``). On a CPU,
 ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` gives 8 simulated devices. Across hosts,
-``--distributed`` calls ``jax.distributed.initialize()`` first; every host runs the same command.
+one process a host runs the same command and JAX's distributed runtime joins them
+(:mod:`jaxfuse.train.distributed`), the ``--mesh`` spanning the devices of all:
+``--coordinator HOST:PORT --num-processes N --process-id I`` (process 0's host and a free port;
+or the variables ``JAXFUSE_COORDINATOR``, ``JAXFUSE_NUM_PROCESSES``, ``JAXFUSE_PROCESS_ID``), or
+``--distributed`` to read them from the cluster's environment (SLURM, where each process gets
+one GPU; Open MPI; TPU pods). On CPUs the collectives go over gloo. Every process writes its
+shards of each checkpoint: ``--out`` must be a directory all hosts share.
 """
 
 # One job a module; data flows down this list (a module imports only those below it):
@@ -42,9 +48,11 @@ split over ``data`` and ``fsdp`` (and its sequence over ``context``). On a CPU,
 #   placement   the --mesh, the state and batches placed on it
 #   plot        the loss curve
 #   corpus      the standard library's bytes, seeded batches
+#   distributed jax.distributed across hosts: initialize()
 #   config      TrainConfig and its checks
 
-from jaxfuse.train import checkpoint, cli, config, corpus, loop, model, placement, plot
+from jaxfuse.train import (checkpoint, cli, config, corpus, distributed, loop, model, placement,
+                           plot)
 from jaxfuse.train.checkpoint import (CheckpointError, checkpoint_manager, restore_checkpoint,
                                       save_checkpoint)
 from jaxfuse.train.cli import main, parse_args
@@ -52,7 +60,7 @@ from jaxfuse.train.config import TrainConfig, check_config
 from jaxfuse.train.corpus import LN2, batch_at, stdlib_corpus, unigram_entropy_bits
 from jaxfuse.train.loop import train
 from jaxfuse.train.model import build, sample_text
-from jaxfuse.train.placement import place_batch
+from jaxfuse.train.placement import place_batch, place_batch_rows
 from jaxfuse.train.plot import plot_losses
 
 # The names these had when jaxfuse.train was one module (the tests use them).
@@ -70,6 +78,7 @@ __all__ = [
     "main",
     "parse_args",
     "place_batch",
+    "place_batch_rows",
     "plot_losses",
     "restore_checkpoint",
     "sample_text",

@@ -3,6 +3,11 @@
 Each save is written to a temporary directory and renamed when complete, so a failed save never
 replaces the last good checkpoint; the two latest are kept. :func:`resume` picks where a run
 starts: the latest checkpoint with ``--resume``, else step 0 in a directory without checkpoints.
+
+Across processes (:mod:`jaxfuse.train.distributed`) every process makes the same calls: each
+writes the shards its devices hold and reads those back, process 0 writes ``meta`` and the
+metadata and renames the checkpoint once all have written (orbax's barriers), so the directory
+must be one that every host sees (a shared filesystem).
 """
 
 from __future__ import annotations
@@ -35,11 +40,23 @@ def save_checkpoint(manager, step: int, state, meta: dict) -> None:
   manager.wait_until_finished()
 
 
-def restore_checkpoint(manager, abstract_state):
-  """``(step, state, meta)`` of the latest complete checkpoint, or None if there is none."""
+def read_meta(manager, step: int) -> dict:
+  """The ``meta`` of step ``step``'s checkpoint (without reading its state)."""
   import orbax.checkpoint as ocp
 
-  step = manager.latest_step()
+  try:
+    return manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+  except Exception as e:  # noqa: BLE001 - orbax raises many kinds; all mean "unreadable"
+    raise CheckpointError(f"the checkpoint of step {step} in {manager.directory} cannot be "
+                          f"read ({type(e).__name__}: {e})") from e
+
+
+def restore_checkpoint(manager, abstract_state, step: int | None = None):
+  """``(step, state, meta)`` of the latest complete checkpoint (or of ``step``), or None if
+  there is none."""
+  import orbax.checkpoint as ocp
+
+  step = manager.latest_step() if step is None else step
   if step is None:
     return None
   try:
@@ -52,6 +69,14 @@ def restore_checkpoint(manager, abstract_state):
   return step, restored["state"], restored["meta"]
 
 
+def refuse_other_run(manager, directory: Path, *, resume: bool) -> None:
+  """Raises FileExistsError when a run that does not ``resume`` would write into ``directory``
+  holding another run's checkpoints (before it writes anything there)."""
+  if not resume and manager.latest_step() is not None:
+    raise FileExistsError(f"{directory} holds checkpoints of another run: pass --resume to "
+                          f"continue it, or another --out")
+
+
 def resume(manager, directory: Path, state, *, resume: bool, log=print):
   """``(step, state, meta)`` a run starts from: with ``resume``, the latest checkpoint in
   ``manager`` (restored with ``state``'s shapes, dtypes and shardings), or ``(0, state, None)``
@@ -62,9 +87,7 @@ def resume(manager, directory: Path, state, *, resume: bool, log=print):
     CheckpointError: the latest checkpoint cannot be read.
   """
   if not resume:
-    if manager.latest_step() is not None:
-      raise FileExistsError(f"{directory} holds checkpoints of another run: pass "
-                            f"--resume to continue it, or another --out")
+    refuse_other_run(manager, directory, resume=False)
     return 0, state, None
   restored = restore_checkpoint(manager, jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state))

@@ -8,6 +8,7 @@ import dataclasses
 import sys
 
 from jaxfuse.models import UnsupportedConfigError
+from jaxfuse.data import DataError, TokenizerError
 from jaxfuse.train.checkpoint import CheckpointError
 from jaxfuse.train.config import TrainConfig
 from jaxfuse.train.loop import train
@@ -24,6 +25,8 @@ def parse_args(argv=None) -> TrainConfig:
     default = getattr(defaults, field.name)
     if isinstance(default, bool):
       parser.add_argument(flag, action="store_true", help=f"(default: {default})")
+    elif str(field.type).startswith("list["):   # --data a.jsonl b.jsonl: one or more
+      parser.add_argument(flag, nargs="+", default=default, help=f"(default: {default})")
     else:
       # The annotation as written ("int | None" takes ints); anything else is a string.
       kind = {"int": int, "float": float}.get(str(field.type).split(" ")[0], str)
@@ -38,8 +41,8 @@ def main(argv=None) -> int:
   cfg = parse_args(argv)
   try:
     train(cfg)
-  except (ValueError, UnsupportedConfigError, CheckpointError, FileExistsError,
-          FloatingPointError) as e:
+  except (ValueError, DataError, TokenizerError, UnsupportedConfigError, CheckpointError,
+          FileExistsError, FileNotFoundError, FloatingPointError) as e:
     print(f"python -m jaxfuse.train: error: {e}", file=sys.stderr)
     return 2
   return 0

@@ -1,12 +1,15 @@
 """The model a run trains and its optimizer, and text sampled from the trained model.
 
 The model is :class:`jaxfuse.models.Decoder`, from scratch or ``--init-from`` a Hugging Face
-directory, with the recomputation the options ask for. The optimizer is optax AdamW with linear
-warm-up, cosine decay and global-norm gradient clipping, in an ``nnx.Optimizer`` over the
-``nnx.Param`` variables.
+directory, with the recomputation the options ask for and, with ``--lora-rank``, LoRA adapters
+(:func:`jaxfuse.nnx.apply_lora`). The optimizer is optax AdamW with linear warm-up, cosine
+decay and global-norm gradient clipping, in an ``nnx.Optimizer`` over the ``nnx.Param``
+variables (only the ``nnx.LoRAParam`` adapters with LoRA: the base stays frozen).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -14,12 +17,17 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jaxfuse import data
 from jaxfuse.models import Decoder, generate
+from jaxfuse.nnx import apply_lora
+from jaxfuse.train import config
 from jaxfuse.train.config import TrainConfig, segments
 
 
-def build(cfg: TrainConfig) -> tuple[Decoder, nnx.Optimizer]:
-  """The model (from scratch or ``--init-from`` a Hugging Face directory) and its optimizer."""
+def build(cfg: TrainConfig, tokenizer: Any = None) -> tuple[Decoder, nnx.Optimizer]:
+  """The model (from scratch over ``tokenizer``'s vocabulary, or ``--init-from`` a Hugging Face
+  directory), its LoRA adapters with ``--lora-rank``, and its optimizer (over the adapters
+  only with LoRA: the base stays frozen)."""
   fused = not cfg.baseline
   policy = "block" if cfg.remat else cfg.remat_policy
   if cfg.init_from:
@@ -27,14 +35,21 @@ def build(cfg: TrainConfig) -> tuple[Decoder, nnx.Optimizer]:
 
     model = interop.from_pretrained(cfg.init_from, dtype=jnp.dtype(cfg.dtype), fused=fused,
                                     remat=policy, scan_layers=cfg.scan_layers)
-    if model.cfg.vocab_size < 256:
-      raise ValueError(f"--init-from: the model's vocabulary ({model.cfg.vocab_size}) cannot "
-                       f"hold the 256 byte tokens")
   else:
-    model = Decoder(cfg.model_config(), fused=fused, scan_layers=cfg.scan_layers,
+    vocab = 256 if tokenizer is None else len(tokenizer)
+    model = Decoder(cfg.model_config(vocab), fused=fused, scan_layers=cfg.scan_layers,
                     rngs=nnx.Rngs(cfg.seed))
+  if cfg.lora_rank is not None:
+    apply_lora(model, rank=cfg.lora_rank, alpha=config.lora_alpha(cfg),
+               targets=config.lora_targets(cfg), rngs=nnx.Rngs(cfg.seed + 1))
   model.set_remat(policy, segments(cfg))
-  return model, nnx.Optimizer(model, optimizer(cfg), wrt=nnx.Param)
+  return model, nnx.Optimizer(model, optimizer(cfg), wrt=trained(cfg))
+
+
+def trained(cfg: TrainConfig):
+  """What the optimizer updates: the LoRA adapters with ``--lora-rank``, else every
+  parameter."""
+  return nnx.LoRAParam if cfg.lora_rank is not None else nnx.Param
 
 
 def optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
@@ -45,9 +60,37 @@ def optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
                      optax.adamw(schedule, weight_decay=cfg.weight_decay))
 
 
-def sample_text(model: Decoder, cfg: TrainConfig) -> str:
-  """``cfg.sample_tokens`` bytes after ``cfg.prompt``, sampled with the KV cache."""
-  prompt = jnp.asarray(np.frombuffer(cfg.prompt.encode(), np.uint8).astype(np.int32))[None]
-  tokens = generate(model, prompt, cfg.sample_tokens, jax.random.key(cfg.seed),
-                    temperature=cfg.temperature)
-  return bytes(np.asarray(tokens[0], np.uint8).tolist()).decode("utf-8", errors="replace")
+def complete(model: Decoder, tokenizer: Any, prompt: str, *, max_new_tokens: int = 128,
+             temperature: float = 0.8, seed: int = 0, chat: bool = False) -> str:
+  """The text ``model`` writes after ``prompt`` (the new text only), sampled with the KV cache
+  (greedy at ``temperature=0``), up to ``max_new_tokens`` tokens or ``tokenizer``'s
+  end-of-sequence token. ``chat``: the prompt is a user message, rendered by the tokenizer's
+  chat template with the assistant's turn opened."""
+  if chat:
+    if getattr(tokenizer, "chat_template", None) is None:
+      raise ValueError("--chat: the tokenizer has no chat template")
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                        add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+  else:
+    ids = list(tokenizer.encode(prompt))
+  if not ids:
+    raise ValueError("the prompt encodes to no tokens")
+  if len(ids) + max_new_tokens > model.cfg.max_seq_len:
+    raise ValueError(f"the prompt ({len(ids)} tokens) and {max_new_tokens} new tokens exceed "
+                     f"the model's {model.cfg.max_seq_len} positions")
+  tokens = generate(model, jnp.asarray(ids, jnp.int32)[None], max_new_tokens,
+                    jax.random.key(seed), temperature=temperature)
+  new = np.asarray(tokens[0, len(ids):]).tolist()
+  eos = tokenizer.eos_token_id
+  if eos is not None and eos in new:
+    new = new[:new.index(eos)]
+  return tokenizer.decode(new, skip_special_tokens=True)
+
+
+def sample_text(model: Decoder, cfg: TrainConfig, tokenizer: Any = None) -> str:
+  """``cfg.prompt`` and up to ``cfg.sample_tokens`` tokens sampled after it (:func:`complete`),
+  decoded by ``tokenizer`` (UTF-8 bytes by default)."""
+  tokenizer = data.ByteTokenizer() if tokenizer is None else tokenizer
+  return cfg.prompt + complete(model, tokenizer, cfg.prompt, max_new_tokens=cfg.sample_tokens,
+                               temperature=cfg.temperature, seed=cfg.seed)

@@ -72,8 +72,8 @@ def segments(segment_ids, tq, tk):
   if segment_ids is None:
     return None
   if isinstance(segment_ids, (tuple, list)):
-    return segment_ids[0].astype(jnp.int32), segment_ids[1].astype(jnp.int32)
-  ids = segment_ids.astype(jnp.int32)
+    return jnp.asarray(segment_ids[0], jnp.int32), jnp.asarray(segment_ids[1], jnp.int32)
+  ids = jnp.asarray(segment_ids, jnp.int32)
   return ids, ids
 
 

@@ -132,7 +132,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool | str = 
     return jnp.zeros(q.shape, q.dtype)
   q_seg, kv_seg = segments if segments is not None else (None, None)
   if kv_lengths is not None:
-    kv_lengths = kv_lengths.astype(jnp.int32)
+    kv_lengths = jnp.asarray(kv_lengths, jnp.int32)
   if bias is not None:
     bias = arguments.expand_bias(bias, tq, tk)
   cfg = make_config(q, k, causal=causal, scale=scale, implementation=implementation,
