@@ -40,3 +40,50 @@ def test_training_command_lines_parse():
     argv = shlex.split(command)[3:]
     cfg = train.parse_args(argv)
     train._check(cfg)
+
+
+FINE_TUNE_MARKER = "<!-- fine-tune example"
+
+
+def test_fine_tuning_commands_run_as_written(tmp_path, monkeypatch, capsys):
+  """The README's three fine-tuning commands, as written, on a tiny checkpoint `transformers`
+  wrote (``my-llama``, with its tokenizer and chat template) and chats the test writes: the run
+  learns, the export loads in transformers with the run's logits, generation prints text."""
+  import numpy as np
+  import torch
+  import transformers
+
+  from jaxfuse import export, generate
+  from jaxfuse.testing.checkpoints import arithmetic_chats, write_jsonl, write_tiny_checkpoint
+
+  readme = (ROOT / "README.md").read_text()
+  block = re.search(rf"{re.escape(FINE_TUNE_MARKER)}.*?\n```bash\n(.*?)```", readme, re.S)
+  assert block, "the README has no fine-tuning example"
+  commands = [shlex.split(line) for line in block.group(1).splitlines() if line.strip()]
+  assert [c[:3] for c in commands] == [["python", "-m", "jaxfuse.train"],
+                                       ["python", "-m", "jaxfuse.export"],
+                                       ["python", "-m", "jaxfuse.generate"]]
+  monkeypatch.chdir(tmp_path)
+  write_tiny_checkpoint(tmp_path / "my-llama")
+  write_jsonl(tmp_path / "chats.jsonl", arithmetic_chats(64))
+  mains = {"jaxfuse.train": train.main, "jaxfuse.export": export.main,
+           "jaxfuse.generate": generate.main}
+  for command in commands:
+    assert mains[command[2]](command[3:]) == 0, shlex.join(command)
+  printed = capsys.readouterr().out
+  run = tmp_path / train.parse_args(commands[0][3:]).out
+  history = __import__("json").loads((run / "train_log.json").read_text())["history"]
+  assert history["loss"][-1] < history["loss"][0]   # it learns
+  assert printed.strip()   # the generated answer
+  # The exported checkpoint is the run's model, adapters folded in.
+  model, tokenizer = generate.load(run)
+  hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / commands[1][4])
+  ids = tokenizer.apply_chat_template(arithmetic_chats(1)[0]["messages"], tokenize=True)
+  ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+  with torch.no_grad():
+    want = hf(torch.tensor([ids])).logits.numpy()
+  got = np.asarray(model.logits(np.asarray([ids])))
+  np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+  base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "my-llama")
+  with torch.no_grad():
+    assert not np.allclose(base(torch.tensor([ids])).logits.numpy(), want, atol=1e-3)
