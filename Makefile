@@ -36,6 +36,7 @@ bench-tables: $(STAMP)
 	$(PY) -m benchmarks xent --from-json benchmarks/results/xent-cpu-quick.json $(TABLES)
 	$(PY) -m benchmarks train --from-json benchmarks/results/train-cpu-quick.json $(TABLES)
 	$(PY) -m benchmarks train-cli --from-json benchmarks/results/train-cli-cpu.json $(TABLES)
+	$(PY) -m benchmarks finetune --from-json benchmarks/results/finetune-cpu-quick.json $(TABLES)
 	$(PY) -m benchmarks layouts --from-json benchmarks/results/layouts-cpu-quick.json --readme benchmarks/README.md
 	$(PY) -m benchmarks kernels --from-json benchmarks/results/kernels-sm90a-quick.json $(TABLES)
 	$(PY) -m benchmarks remat --from-json benchmarks/results/remat-cpu-quick.json $(TABLES)

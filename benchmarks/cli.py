@@ -32,6 +32,7 @@ SUITES = {
     "xent": "benchmarks.suites.xent",
     "layouts": "benchmarks.suites.layouts",
     "train": "benchmarks.suites.train",
+    "finetune": "benchmarks.suites.finetune",
     "kernels": "benchmarks.suites.kernels",
     "train-cli": "benchmarks.suites.train_cli",
     "remat": "benchmarks.suites.remat",

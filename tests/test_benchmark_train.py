@@ -11,8 +11,8 @@ import pytest
 
 from benchmarks import cli
 from benchmarks import records as rec
-from benchmarks.harness import Context
 from benchmarks.suites import train
+from tests.train_steps import FAST_COMPILE, FIGURES, fixed_times
 
 pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
@@ -22,24 +22,7 @@ SHAPE = train.Shape(vocab=300, d_model=32, layers=2, heads=4, kv_heads=2, mlp=64
 CURVE_STEPS = 4
 TIMES = {"jaxfuse-xla": 2.0, "jax-unfused": 4.0, "torch-eager": 5.0}
 STEP0_RTOL = 1e-5
-# XLA:CPU spends most of this file compiling; the optimization level changes how fast the step
-# runs, not what it computes.
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-FIGURES = ("time_ms", "ratio", "residual_bytes", "temp_bytes", "max_abs_err", "final_loss", "note")
-
-
-class FixedTimes(Context):
-  """A context whose ``time`` calls every candidate ``warmup + runs`` times (each call is a
-  training step) and returns fixed medians."""
-
-  def time(self, candidates, *, warmup=2, sync=None):
-    times = {}
-    for name, fn in candidates.items():
-      for _ in range(warmup + self.n_runs):
-        fn()
-      t = TIMES[name]
-      times[name] = {"median": t, "min": t, "max": t, "runs": self.n_runs}
-    return times
+FixedTimes = fixed_times(TIMES)
 
 
 def _failing_compile(fn, *args, **kwargs):

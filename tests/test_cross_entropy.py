@@ -104,6 +104,23 @@ def test_grad_in_forward_matches_torch(chunk_size, reduction):
     helpers.assert_close(x, t, what=f"chunk {chunk_size} {what}")
 
 
+def test_grad_in_forward_keeps_only_the_gradients_of_differentiated_inputs():
+  """A frozen head (only h differentiated, as in a LoRA run) keeps no weight gradient, a frozen
+  h no h gradient; the gradients taken are those of the full differentiation."""
+  h, w, b, y, _ = _inputs((48,), 16, 200, seed=6)
+  loss = functools.partial(linear_cross_entropy, labels=y, grad_in_forward=True)
+  full = jax.grad(lambda h, w, b: loss(h, w, bias=b), argnums=(0, 1, 2))(h, w, b)
+  only_h = residual_bytes(lambda h: loss(h, w, bias=b), h)
+  only_w = residual_bytes(lambda w: loss(h, w, bias=b), w)
+  assert h.nbytes <= only_h < h.nbytes + 1024          # dh (and a few scalars), no dw, no db
+  assert w.nbytes <= only_w < w.nbytes + 1024
+  everything = residual_bytes(lambda h, w, b: loss(h, w, bias=b), h, w, b)
+  assert everything >= h.nbytes + w.nbytes + b.nbytes
+  np.testing.assert_array_equal(jax.grad(lambda h: loss(h, w, bias=b))(h), full[0])
+  np.testing.assert_array_equal(jax.grad(lambda w: loss(h, w, bias=b))(w), full[1])
+  np.testing.assert_array_equal(jax.grad(lambda b: loss(h, w, bias=b))(b), full[2])
+
+
 @pytest.mark.parametrize("chunk_size", [1, 7])  # the default (None): the op table's case ""
 def test_any_chunk_size(chunk_size):
   h, w, b, y, g = _inputs((50,), 32, 129, seed=4)

@@ -113,8 +113,9 @@ def test_state_dict_round_trip_and_errors():
 
 
 def test_residual_bytes_of_the_three_layouts():
-  """fc1 keeps no more than torch's seed model; block keeps at most its output and is >= 4x
-  below plain autodiff."""
+  """Plain autodiff and fc1 keep no more than torch's seed model (the relu reads its mask off
+  its output, which fc2 keeps: no mask of the hidden width); block keeps at most its output
+  and is >= 4x below plain autodiff."""
   x, y = _data()
   kept = {}
   for recompute in VARIANTS:
@@ -129,9 +130,9 @@ def test_residual_bytes_of_the_three_layouts():
                                     exclude=[tx, ty, *torch_model.parameters()])
   output_bytes = B * OUT * 4
   assert kept["fc1"] <= torch_kept
+  assert kept[None] <= torch_kept
   assert kept["block"] <= output_bytes
   assert kept[None] >= 4 * kept["block"]
-  assert kept[None] > kept["fc1"]
 
 
 @pytest.mark.parametrize("recompute", VARIANTS)

@@ -452,10 +452,25 @@ def losses_of(r: Record) -> list[float] | None:
 # Suite entry points -----------------------------------------------------------------------------
 
 
+def release_compiled() -> None:
+  """Frees what one case compiled before the next: JAX's executables, torch.compile's graphs
+  (both are cached process-wide and would otherwise add up case after case)."""
+  import gc
+
+  jax.clear_caches()
+  try:
+    import torch._dynamo
+    torch._dynamo.reset()
+  except ImportError:
+    pass
+  gc.collect()
+
+
 def run(ctx) -> list[Record]:
   records = []
   for shape in _shapes(ctx):
     records += case_records(ctx, shape)
+    release_compiled()
   return records
 
 

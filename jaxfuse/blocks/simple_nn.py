@@ -1,7 +1,7 @@
 """The seed's model over arrays: fc1 (torch's ``[hidden, in]`` weight), relu, fc2 (a flax
 ``[hidden, out]`` kernel), and the choices of what its backward keeps (``recompute=``):
 
-- ``None``: plain autodiff;
+- ``None``: plain autodiff (keeps fc1's input, the relu's output and nothing more, as torch);
 - ``"fc1"`` (the seed's layout): fc1 keeps only its inputs, the relu reads its mask off its
   output, which fc2 keeps anyway;
 - ``"block"``: the three run as one recomputed region that keeps only its input.
@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxfuse.ops import linear as linear_ops
+from jaxfuse.ops.elementwise import relu
 
 RECOMPUTE_CHOICES = (None, "fc1", "block")
 
@@ -32,7 +33,10 @@ def check_recompute(recompute) -> None:
 
 
 def simple_nn_block(x, w1, b1, w2, b2):
-  """fc1 (weight ``[hidden, in]``), jax.nn.relu, fc2 (kernel ``[hidden, out]``) in plain jnp."""
-  h = jax.nn.relu(linear_ops.linear_reference(x, w1, b1))
+  """fc1 (weight ``[hidden, in]``), relu, fc2 (kernel ``[hidden, out]``) in plain jnp, but for
+  the relu, whose backward reads its mask off its output (:func:`jaxfuse.ops.relu`, as torch's
+  does): fc2 keeps that output anyway, so the relu keeps nothing of its own (``jax.nn.relu``
+  would keep a boolean mask of the hidden width)."""
+  h = relu(linear_ops.linear_reference(x, w1, b1))
   precision = jax.lax.Precision.HIGHEST if h.dtype == jnp.float32 else None
   return jnp.dot(h, w2, precision=precision) + b2

@@ -38,6 +38,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.custom_derivatives import SymbolicZero
 from jax import lax
 
 from jaxfuse.ops import base, checks, partitioning
@@ -295,25 +296,36 @@ _lce.defvjp(_lce_fwd, _lce_bwd)
 @partitioning.matching_vma
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _lce_grad_in_forward(h, weight, bias, labels, weights, cfg):
-  return _gif_fwd(h, weight, bias, labels, weights, cfg)[0]
+  return _gif_outputs(h, weight, bias, labels, weights, cfg)[0]
 
 
-def _gif_fwd(h, weight, bias, labels, weights, cfg):
+def _gif_outputs(h, weight, bias, labels, weights, cfg):
   kernel = functools.partial(sharded.grad_in_forward_shard, cfg=cfg)
   twin = functools.partial(sharded.grad_in_forward_shard, cfg=cfg, axes={"v": ()})
   total, lse, correct, bad, dh, dw, db = base.kernel_call(
       kernel, twin, h, weight, bias, labels, weights, rule=sharded.rule(cfg, "grad_in_forward"))
-  out = (total, lax.stop_gradient(lse), correct, bad > 0)
-  # Residuals: the gradients themselves (h's, weight's and bias's size); the backward scales them.
-  return out, (dh, dw, db)
+  return (total, lax.stop_gradient(lse), correct, bad > 0), (dh, dw, db)
+
+
+def _gif_fwd(h, weight, bias, labels, weights, cfg):
+  # With symbolic zeros, each input says whether it is differentiated: a frozen weight (a LoRA
+  # run's head, say) keeps no gradient alive, and XLA drops its computation.
+  value = lambda x: None if x is None else x.value  # noqa: E731
+  out, grads = _gif_outputs(value(h), value(weight), value(bias), value(labels),
+                            value(weights), cfg)
+  # Residuals: the gradients themselves (h's, weight's and bias's size) of the differentiated
+  # inputs; the backward scales them.
+  return out, tuple(g if x is not None and x.perturbed else None
+                    for g, x in zip(grads, (h, weight, bias)))
 
 
 def _gif_bwd(cfg, residuals, cotangents):
-  dh, dw, db = residuals
   g = cotangents[0]
+  if isinstance(g, SymbolicZero):
+    return None, None, None, None, None
   scale = lambda x: None if x is None else (x * g).astype(x.dtype)  # noqa: E731
-  return scale(dh), scale(dw), scale(db), None, None
+  return (*(scale(x) for x in residuals), None, None)
 
 
-# Plain defvjp: optimize_remat=True breaks reverse over reverse.
-_lce_grad_in_forward.defvjp(_gif_fwd, _gif_bwd)
+# Plain defvjp (optimize_remat=True breaks reverse over reverse), with symbolic zeros.
+_lce_grad_in_forward.defvjp(_gif_fwd, _gif_bwd, symbolic_zeros=True)
