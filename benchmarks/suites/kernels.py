@@ -15,7 +15,8 @@ head dims 40, 64, 128 and 256, causal or not, with or without a float32 ``[1, 8,
 (which adds the dbias kernel); the norms over 4096 rows of widths 1024, 4096, 16384 and the
 largest each implementation takes (widths past it are left out); softmax rows of 1024 and
 32768, with and without a mask; the elementwise kernels over 16M elements or 4096 x 4096; the
-linear and cross-entropy kernels at 4096 tokens. ``--quick`` keeps a few configurations per
+linear and cross-entropy kernels at 4096 tokens; the grouped matmul at 4096 tokens over 8
+experts, 1024 -> 2816. ``--quick`` keeps a few configurations per
 family. Which kernel implementations each op has, and their modules, come from its registry
 entry (``jaxfuse.ops.base.REGISTRY``).
 
@@ -55,6 +56,7 @@ ELEMENTS = 1 << 24
 FEATURES = 4096
 VOCAB = 32000
 MODEL = 1024
+EXPERTS, EXPERT_HIDDEN = 8, 2816
 
 _REGS = "ptxas -v of the cubin the triton package compiles for {arch} ({how})"
 _SMEM = ("Triton's dynamic shared memory (compiled metadata `shared`) + ptxas's static smem, "
@@ -235,6 +237,15 @@ def _cross_entropy(dtype: str) -> list[Config]:
                      (h, w, _spec((ROWS,), "int32")), n_diff=2)
 
 
+def _grouped_matmul(dtype: str) -> list[Config]:
+  """A Mixture-of-Experts projection: ROWS tokens over EXPERTS experts, MODEL -> EXPERT_HIDDEN."""
+  lhs, rhs = _spec((ROWS, MODEL), dtype), _spec((EXPERTS, MODEL, EXPERT_HIDDEN), dtype)
+  return _op_configs("grouped_matmul",
+                     f"grouped_matmul {ROWS}x{MODEL}->{EXPERT_HIDDEN} experts={EXPERTS}", dtype,
+                     "grouped_matmul", ops.grouped_matmul,
+                     (lhs, rhs, _spec((EXPERTS,), "int32")), n_diff=2)
+
+
 def _qk_norm_rope(dtype: str, over: str) -> list[Config]:
   heads, d = 16, 128
   x, half = _spec((ROWS, heads, d), dtype), _spec((ROWS, d // 2), "float32")
@@ -253,11 +264,12 @@ def configs(quick: bool = False) -> list[Config]:
     out += attention_configs("float16", 128, True, False)
     out += attention_configs("bfloat16", 64, False, True)
     out += attention_configs("float32", 64, True, False)
+    out += attention_configs("bfloat16", 256, True, False)   # Gemma's head dimension
     out += _norm("rms_norm", "bfloat16", None) + _norm("add_layer_norm", "bfloat16", 4096)
     out += _softmax("bfloat16", 32768, True) + _qk_norm_rope("bfloat16", "head")
     for name in ELEMENTWISE:
       out += _elementwise(name, "bfloat16")
-    return out + _linear("bfloat16") + _cross_entropy("bfloat16")
+    return out + _linear("bfloat16") + _cross_entropy("bfloat16") + _grouped_matmul("bfloat16")
   for dtype in DTYPES:
     for d in ATTENTION_HEAD_DIMS:
       for causal in (True, False):
@@ -272,7 +284,7 @@ def configs(quick: bool = False) -> list[Config]:
     out += _qk_norm_rope(dtype, "head") + _qk_norm_rope(dtype, "projection")
     for name in ELEMENTWISE:
       out += _elementwise(name, dtype)
-    out += _linear(dtype) + _cross_entropy(dtype)
+    out += _linear(dtype) + _cross_entropy(dtype) + _grouped_matmul(dtype)
   return out
 
 
@@ -290,7 +302,7 @@ def core() -> list[Config]:
   for name in ("add_act", "add_act_unfused", "relu", "bias_act", "glu"):
     out += _elementwise(name, "bfloat16")
   out += [c for c in _elementwise("glu_packed", "bfloat16") if c.kind == "triton"]
-  return out + _linear("bfloat16") + _cross_entropy("bfloat16")
+  return out + _linear("bfloat16") + _cross_entropy("bfloat16") + _grouped_matmul("bfloat16")
 
 
 def sources(config: Config) -> list[kr.KernelSource]:

@@ -1,6 +1,6 @@
-"""Benchmark rows for the activation family: softmax, bias + activation, SwiGLU and the GatedMLP
-block (LLaMA's MLP). The ``norm`` suite appends these records to its own; ``run(ctx)`` also runs
-alone.
+"""Benchmark rows for the activation family: softmax, bias + activation, SwiGLU, the GatedMLP
+block (LLaMA's MLP) and the grouped matmul of Mixture-of-Experts MLPs. The ``norm`` suite
+appends these records to its own; ``run(ctx)`` also runs alone.
 
 Every case times forward + backward (one jit-compiled step returning the output and all
 gradients, or one torch autograd step), interleaved across implementations:
@@ -13,6 +13,10 @@ gradients, or one torch autograd step), interleaved across implementations:
   through it);
 - ``tokamax-xla``: ``tokamax.gated_linear_unit`` in the GatedMLP case (tokamax has no standalone
   softmax, bias + activation or elementwise GLU).
+
+The grouped matmul case (``grouped_matmul``: tokens sorted by expert, uneven expert sizes) has
+``jax-unfused`` = ``jax.lax.ragged_dot`` differentiated by JAX and torch's loop over the
+experts; its Pallas and Triton rows appear only where they compile.
 
 ``ratio`` is the median time over the fastest of torch eager, torch.compile and tokamax in the
 same case. On CPU, Pallas rows are not timed (interpret mode is for tests): they report the
@@ -252,6 +256,44 @@ def gated_mlp_case(tokens, d, hidden, dtype) -> Case:
               jax_fns=fns, torch_fn=torch_mlp, notes=notes)
 
 
+def _group_sizes(rows: int, experts: int) -> jax.Array:
+  """int32 ``[experts]`` summing to ``rows``: tokens routed to experts of uneven popularity
+  (a fixed draw, so every row count gets the same proportions)."""
+  logits = jnp.linspace(0.0, 1.5, experts)   # the most popular expert ~4.5x the least
+  ids = jax.random.categorical(jax.random.key(11), logits, shape=(rows,))
+  return jnp.bincount(ids, length=experts).astype(jnp.int32)
+
+
+def grouped_matmul_case(tokens, d, hidden, experts, dtype, ctx) -> Case:
+  """A Mixture-of-Experts projection: ``tokens`` rows sorted by expert, each expert's rows
+  times its own ``[d, hidden]`` weight, forward and both gradients. On CPU only the rows that
+  compile run (the kernels' interpret mode is for tests)."""
+  from jaxfuse.testing.torch_ref import grouped_matmul as torch_gmm
+
+  hp = jax.lax.Precision.HIGHEST
+
+  def make(rows):
+    return [_normal(12, (rows, d), dtype), _normal(13, (experts, d, hidden), dtype,
+                                                   1 / math.sqrt(d)),
+            _group_sizes(rows, experts)]
+
+  def plain(lhs, rhs, sizes):
+    out = jax.lax.ragged_dot(lhs, rhs, sizes, precision=hp, preferred_element_type=jnp.float32)
+    return out.astype(lhs.dtype)
+
+  fns = {**harness.jaxfuse_rows("grouped_matmul", ops.grouped_matmul,
+                                keep=lambda impl: impl == "xla" or ctx.native(impl)),
+         "jax-unfused": plain}
+  notes = {"jax-unfused": "jax.lax.ragged_dot, differentiated by JAX",
+           "torch-eager": "a loop over the experts (jaxfuse.testing.torch_ref.grouped_matmul)"}
+  if not ctx.native("pallas"):
+    notes["jaxfuse-xla"] = ("the Pallas and Triton rows run where they compile (GPUs); their "
+                            "kernels are tested in interpret mode")
+  return Case(name=f"grouped_matmul {tokens}x{d}->{hidden} experts={experts}", make_inputs=make,
+              rows=tokens, n_diff=2, jax_fns=fns, torch_fn=torch_gmm.grouped_matmul,
+              notes=notes)
+
+
 def qk_norm_rope_case(tokens, heads, d, dtype) -> Case:
   """Qwen3's query norm and rotary embedding on ``[tokens, heads, head_dim]`` (the positions
   0..tokens-1); unfused: RMSNorm, then the rotation, each a pass over the heads."""
@@ -287,14 +329,17 @@ def cases(ctx) -> Sequence[tuple[Case, object]]:
   dtype = jnp.float32 if ctx.platform == "cpu" else jnp.bfloat16
   if ctx.quick:
     rows, n, tokens, d, hidden = 4096, 1024, 512, 512, 1536
+    moe = (1024, 256, 704, 8)
   else:
     rows, n, tokens, d, hidden = 16384, 4096, 4096, 1024, 4096
+    moe = (4096, 1024, 2816, 8)   # tokens, model -> expert hidden, experts
   return [
       (softmax_case(rows, n, dtype), dtype),
       (bias_act_case(rows, n, "gelu", dtype), dtype),
       (glu_case(rows, n, "silu", dtype), dtype),
       (gated_mlp_case(tokens, d, hidden, dtype), dtype),
       (qk_norm_rope_case(rows, 8 if ctx.quick else 16, 128, dtype), dtype),
+      (grouped_matmul_case(*moe, dtype, ctx), dtype),
   ]
 
 

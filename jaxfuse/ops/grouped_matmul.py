@@ -1,0 +1,256 @@
+"""Grouped matmul for Mixture-of-Experts: each group of rows times its own weight matrix.
+
+``grouped_matmul(lhs, rhs, group_sizes)`` multiplies ``lhs`` ``[M, K]``, whose rows are sorted by
+group (expert), by one matrix of ``rhs`` ``[G, K, N]`` per group: rows
+``offsets[g] : offsets[g] + group_sizes[g]`` (``offsets`` the exclusive cumulative sum of
+``group_sizes``) are multiplied by ``rhs[g]``. Rows past ``sum(group_sizes)`` belong to no group
+and come out as zeros, as in :func:`jax.lax.ragged_dot`.
+
+The backward keeps the inputs only (no residual is computed, so none is named in
+:mod:`jaxfuse.ops.names`) and computes
+
+- ``d lhs = grouped_matmul(g, rhs transposed per group)``: the same grouped product, reading
+  ``rhs`` as ``[G, N, K]`` in place;
+- ``d rhs[e] = lhs_e^T @ g_e``: a transposed grouped product, one ``[K, N]`` sum per group over
+  that group's rows (zero for an empty group).
+
+Every product accumulates in float32 and is rounded once, to the inputs' dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxfuse.ops import base, checks, partitioning
+
+# A matmul: XLA (cuBLAS' grouped GEMM on GPUs) first; the Pallas and Triton kernels are there
+# for fusion work and measurement.
+GROUPED_MATMUL = base.Op("grouped_matmul", "grouped_matmul", base.MATMUL_GPU_ORDER)
+
+# d lhs: lhs [M, N] (the cotangent) ragged over its rows, contracted with rhs [G, K, N] over N.
+_LHS_GRAD_DIMS = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(((1,), (2,)), ((), ())), lhs_ragged_dimensions=[0],
+    rhs_group_dimensions=[0])
+# d rhs: lhs [M, K] and the cotangent [M, N] contracted over their rows, ragged: [G, K, N].
+_RHS_GRAD_DIMS = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0],
+    rhs_group_dimensions=[])
+
+
+def _precision(dtype, precision):
+  # Full float32 products unless asked otherwise, as torch (XLA on GPUs would use TF32).
+  if precision is None and jnp.dtype(dtype) == jnp.float32:
+    return jax.lax.Precision.HIGHEST
+  return precision
+
+
+def _out_sharding(lhs=None, rhs=None):
+  """The out_sharding a ragged product must be given on Explicit mesh axes, where JAX infers
+  none: ``lhs @ rhs[e]``'s from the operands' types when given, else a replicated result when
+  a mesh with Explicit (not manual) axes is in context (the backward's products, which run on
+  each device's shards); None elsewhere."""
+  typed = None if lhs is None else partitioning.typed_product_sharding(lhs, rhs, 2)
+  if typed is not None:
+    return typed
+  mesh = jax.sharding.get_abstract_mesh()
+  if not mesh.empty and set(mesh.explicit_axes) - set(mesh.manual_axes):
+    return jax.sharding.PartitionSpec()
+  return None
+
+
+# Reference --------------------------------------------------------------------------------------
+
+
+def grouped_matmul_reference(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
+                             precision=None) -> jax.Array:
+  """Plain-jnp grouped matmul (:func:`jax.lax.ragged_dot`), accumulated in float32 and rounded
+  to lhs's dtype."""
+  out = jax.lax.ragged_dot(lhs, rhs, jnp.asarray(group_sizes, jnp.int32),
+                           precision=_precision(lhs.dtype, precision),
+                           preferred_element_type=jnp.float32,
+                           out_sharding=_out_sharding(lhs, rhs))
+  return out.astype(lhs.dtype)
+
+
+# Checks -----------------------------------------------------------------------------------------
+
+
+def _concrete(x):
+  """``x`` as a numpy array when its value is known while tracing, else None."""
+  try:
+    return np.asarray(x)
+  except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
+    return None
+
+
+def _check(op, lhs, rhs, group_sizes):
+  checks.floating(op, "lhs", lhs)
+  checks.floating(op, "rhs", rhs)
+  checks.rank(op, "lhs", lhs, 2)
+  checks.rank(op, "rhs", rhs, 3)
+  checks.dim(op, "rhs", rhs, 1, lhs.shape[1], "rhs is [groups, K, N]: lhs is [M, K]")
+  checks.same_dtype(op, ("lhs", "rhs"), (lhs, rhs))
+  dtype = getattr(group_sizes, "dtype", None)
+  if dtype is None or not jnp.issubdtype(dtype, jnp.integer):
+    got = jnp.dtype(dtype).name if dtype is not None else type(group_sizes).__name__
+    raise TypeError(f"{op}: group_sizes must be an integer array (int32), got {got}")
+  checks.rank(op, "group_sizes", group_sizes, 1)
+  checks.dim(op, "group_sizes", group_sizes, 0, rhs.shape[0], "one size per group of rhs")
+  sizes = _concrete(group_sizes)
+  if sizes is None:
+    return
+  if (sizes < 0).any():
+    raise ValueError(f"{op}: group_sizes must be non-negative, got {sizes.tolist()}")
+  if int(sizes.astype(np.int64).sum()) > lhs.shape[0]:
+    raise ValueError(f"{op}: group_sizes must sum to at most lhs.shape[0] = {lhs.shape[0]} "
+                     f"(the rows), got sum {int(sizes.sum())}: {sizes.tolist()}")
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedMatmulConfig(base.Config):
+  precision: object = None
+
+
+# The op -----------------------------------------------------------------------------------------
+
+
+def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
+                   implementation: str | None = None, precision=None) -> jax.Array:
+  """Grouped matmul: rows of ``lhs`` sorted by group, each group times its own ``rhs[g]``.
+
+  The forward keeps only its inputs for the backward pass, which computes
+  ``d lhs = grouped_matmul(g, rhs^T)`` and ``d rhs[e] = lhs_e^T @ g_e`` (see the module
+  docstring); no computed value is kept, so the op tags no residual name.
+
+  Args:
+    lhs: ``[M, K]``, rows sorted by group.
+    rhs: ``[G, K, N]``, one matrix per group (expert), lhs's dtype.
+    group_sizes: ``[G]`` integers (int32), non-negative, summing to at most ``M``; rows past
+      the sum give zeros (as :func:`jax.lax.ragged_dot`). Checked when its value is known
+      while tracing.
+    implementation: ``None``, ``"xla"`` (:func:`jax.lax.ragged_dot`), ``"pallas"`` or
+      ``"triton"`` (tiled kernels that visit each row tile once per group it holds).
+    precision: the XLA products' precision (``None``: HIGHEST for float32, as torch; the
+      default for bfloat16 and float16). The kernels always multiply in full precision.
+
+  Returns:
+    ``[M, N]`` in lhs's dtype, accumulated in float32.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jaxfuse.ops import grouped_matmul
+    >>> lhs = jnp.ones((5, 2))
+    >>> rhs = jnp.stack([jnp.eye(2), 2 * jnp.eye(2), 3 * jnp.eye(2)])
+    >>> grouped_matmul(lhs, rhs, jnp.array([2, 0, 2], jnp.int32))   # the last row: no group
+    Array([[1., 1.],
+           [1., 1.],
+           [3., 3.],
+           [3., 3.],
+           [0., 0.]], dtype=float32)
+    >>> grads = jax.grad(lambda w: grouped_matmul(lhs, w, jnp.array([2, 0, 2])).sum())(rhs)
+    >>> grads[:, 0, 0]
+    Array([2., 0., 2.], dtype=float32)
+  """
+  op = GROUPED_MATMUL.name
+  lhs, rhs = checks.as_array(lhs), checks.as_array(rhs)
+  if not hasattr(group_sizes, "dtype"):
+    group_sizes = np.asarray(group_sizes)
+  _check(op, lhs, rhs, group_sizes)
+  cfg = GROUPED_MATMUL.config(implementation, GroupedMatmulConfig, precision=precision)
+  with jax.named_scope("jaxfuse.grouped_matmul"):
+    return _grouped_matmul(cfg, lhs, rhs, jnp.asarray(group_sizes, jnp.int32))
+
+
+# Forward and backward ---------------------------------------------------------------------------
+
+
+def _dense_rows_product(lhs, g, group_sizes):
+  """``d rhs`` as one dense product over a one-hot group mask: ``G`` times the work of the
+  ragged product, but made of primitives JAX can transpose. Only the derivatives of the
+  weight gradient use it (second order)."""
+  ends = jnp.cumsum(group_sizes)
+  rows = jnp.arange(lhs.shape[0])
+  member = (rows[None, :] >= (ends - group_sizes)[:, None]) & (rows[None, :] < ends[:, None])
+  masked = member[:, :, None].astype(jnp.float32) * lhs.astype(jnp.float32)[None]   # [G, M, K]
+  return jnp.einsum("gmk,mn->gkn", masked, g.astype(jnp.float32),
+                    precision=jax.lax.Precision.HIGHEST)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3,))
+def _rows_product(lhs, g, group_sizes, precision):
+  """``d rhs[e] = lhs_e^T @ g_e`` in float32 (``[G, K, N]``), XLA's ragged product.
+
+  JAX differentiates this form (the ragged dimension contracted) in neither argument, so its
+  tangent, linear in ``(d lhs, d g)``, is the dense masked product, which JAX can transpose:
+  Hessian-vector products by reverse over reverse and forward over reverse both work.
+  """
+  return jax.lax.ragged_dot_general(lhs, g, group_sizes, _RHS_GRAD_DIMS,
+                                    precision=_precision(lhs.dtype, precision),
+                                    preferred_element_type=jnp.float32,
+                                    out_sharding=_out_sharding())
+
+
+@_rows_product.defjvp
+def _rows_product_jvp(precision, primals, tangents):
+  lhs, g, group_sizes = primals
+  dlhs, dg, _ = tangents
+  tangent = _dense_rows_product(dlhs, g, group_sizes) + _dense_rows_product(lhs, dg, group_sizes)
+  return _rows_product(lhs, g, group_sizes, precision), tangent
+
+
+def _xla_forward(lhs, rhs, group_sizes, precision=None):
+  return grouped_matmul_reference(lhs, rhs, group_sizes, precision=precision)
+
+
+def _xla_backward(lhs, rhs, group_sizes, g, precision=None):
+  """``(d lhs, d rhs)``: two ragged products, neither of which transposes ``rhs`` in memory."""
+  dlhs = jax.lax.ragged_dot_general(g, rhs, group_sizes, _LHS_GRAD_DIMS,
+                                    precision=_precision(g.dtype, precision),
+                                    preferred_element_type=jnp.float32,
+                                    out_sharding=_out_sharding())
+  drhs = _rows_product(lhs, g, group_sizes, precision)
+  return dlhs.astype(lhs.dtype), drhs.astype(rhs.dtype)
+
+
+def _rule(*, backward: bool):
+  """The partitioning of the kernels and of XLA's ragged products alike (XLA infers none for a
+  ragged product on Explicit mesh axes): over the output features ``n`` (each device
+  multiplies every row by its columns of each expert) and the contraction ``k`` (the forward
+  is then summed over it); the rows and the groups stay whole, since the groups' row offsets
+  are global. Inside ``jax.shard_map`` each device's rows and group sizes are its own
+  problem (expert parallelism after an all-to-all)."""
+  lhs, rhs, sizes, out = ("m", "k"), ("g", "k", "n"), ("g",), ("m", "n")
+  if backward:
+    operands, results = (lhs, rhs, sizes, out), (lhs, rhs)
+  else:
+    operands, results = (lhs, rhs, sizes), (out,)
+  return partitioning.Rule(operands, results, whole=("m", "g"))
+
+
+def _forward(lhs, rhs, group_sizes, cfg):
+  twin = lambda lhs, rhs, group_sizes: _xla_forward(lhs, rhs, group_sizes,
+                                                    cfg.precision)
+  return cfg.run("grouped_matmul_forward", twin, lhs, rhs, group_sizes,
+                 rule=_rule(backward=False), xla_kernel=twin)
+
+
+def _backward(lhs, rhs, group_sizes, g, cfg):
+  twin = lambda lhs, rhs, group_sizes, g: _xla_backward(lhs, rhs, group_sizes,
+                                                        g, cfg.precision)
+  dlhs, drhs = cfg.run("grouped_matmul_backward", twin, lhs, rhs, group_sizes, g,
+                       rule=_rule(backward=True), xla_kernel=twin)
+  return dlhs, drhs, None
+
+
+# The custom VJP ---------------------------------------------------------------------------------
+
+
+# Residuals: the inputs only (lhs, rhs and group_sizes); nothing computed is kept.
+_grouped_matmul = base.recomputing_vjp(
+    lambda cfg, lhs, rhs, group_sizes: _forward(lhs, rhs, group_sizes, cfg),
+    lambda cfg, lhs, rhs, group_sizes, g: _backward(lhs, rhs, group_sizes, g, cfg))
