@@ -309,7 +309,8 @@ def test_errors_name_the_key():
   with pytest.raises(ValueError, match="cannot flatten axes"):
     TorchParam("w", True, (1, 3)).torch_shape((2, 3, 4))
   with pytest.raises(ValueError, match="'w': a transposed entry needs a 2-D tensor"):
-    TorchParam("w", True).torch_shape((2, 3, 4))
+    TorchParam("w", True).torch_shape((2, 3, 4, 5))
+  assert TorchParam("w", True).torch_shape((2, 3, 4)) == (2, 4, 3)   # stacked experts
 
 
 def test_entry_format_stays_backwards_compatible():

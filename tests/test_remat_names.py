@@ -146,6 +146,7 @@ def test_the_names_the_ops_and_the_decoder_tag_are_exactly_names_all():
   from flax import nnx
 
   from jaxfuse.models import Decoder, DecoderConfig, next_token_targets
+  from jaxfuse.nnx import apply_lora
 
   found = set()
   for fn, args, _ in OPS.values():
@@ -156,8 +157,13 @@ def test_the_names_the_ops_and_the_decoder_tag_are_exactly_names_all():
                       mlp_dim=64)
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 16)), jnp.int32)
   targets = next_token_targets(tokens)
-  for fused in (True, False):
-    model = Decoder(cfg, fused=fused, remat="nothing", rngs=nnx.Rngs(0))
+  moe = cfg.replace(num_experts=4, experts_per_token=2)   # a Mixture of Experts: moe.*
+  for model_cfg, fused, lora in [(c, f, False) for c, f in itertools.product((cfg, moe),
+                                                                            (True, False))
+                                 ] + [(cfg, True, True)]:
+    model = Decoder(model_cfg, fused=fused, remat="nothing", rngs=nnx.Rngs(0))
+    if lora:   # LoRA adapters: lora.xa
+      apply_lora(model, rank=2, alpha=4.0, rngs=nnx.Rngs(1))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     grad = jax.grad(lambda p, g=graphdef, r=rest: nnx.merge(g, p, r)(tokens, targets))
     decoder = _names_in(jax.make_jaxpr(grad)(params).jaxpr, set())

@@ -11,6 +11,15 @@ norms of the family's placement (``input_layernorm``, ``post_attention_layernorm
 into ``qkv_proj`` and gate and up into ``gate_up_proj``: they are split on load and fused on
 save.
 
+A Mixture-of-Experts block's MLP (Mixtral, Qwen3-MoE) is ``mlp.gate.weight`` (the router) and
+the experts, which come in two layouts, both read: ``transformers`` 5 holds them stacked
+(``mlp.experts.gate_up_proj`` ``[E, 2f, d]``, gate rows first, and ``mlp.experts.down_proj``
+``[E, d, f]``: what :func:`hf_state_dict` gives, as a live model's ``state_dict()``), and
+its ``save_pretrained`` writes them one by one, as the families' original checkpoints have
+them (Mixtral's ``block_sparse_moe.gate.weight`` and ``block_sparse_moe.experts.{e}.w1``,
+``w3``, ``w2`` for gate, up and down; Qwen3-MoE's ``mlp.experts.{e}.gate_proj``, ...): what
+:func:`save_pretrained` writes.
+
 Checkpoint directories are read with ``safetensors`` alone (no ``transformers`` model class is
 imported; ``transformers``' config classes supply the defaults of fields a ``config.json``
 leaves out, when installed). Writing one for ``transformers`` uses its config class.
@@ -28,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxfuse.blocks import mlp as mlp_blocks
+from jaxfuse.blocks import moe as moe_blocks
 from jaxfuse.blocks import torch_names
 from jaxfuse.interop import _torch_maps
 from jaxfuse.interop._torch_maps import TorchParam
@@ -88,8 +98,9 @@ def hf_param_map(cfg) -> dict[tuple, TorchParam]:
         out.update(torch_names.prefixed(norm, layer + (name,), prefix + name + "."))
     out.update(torch_names.prefixed(attention_params, layer + ("self_attn",),
                                     prefix + "self_attn."))
-    out.update(torch_names.prefixed(mlp_blocks.torch_params(mlp_blocks.GATED, cfg.mlp_bias),
-                                    layer + ("mlp",), prefix + "mlp."))
+    mlp_params = (moe_blocks.torch_params() if getattr(cfg, "num_experts", 0)
+                  else mlp_blocks.torch_params(mlp_blocks.GATED, cfg.mlp_bias))
+    out.update(torch_names.prefixed(mlp_params, layer + ("mlp",), prefix + "mlp."))
   out.update(torch_names.prefixed(norm, ("norm",), "model.norm."))
   if not cfg.tie_embeddings:
     out.update(torch_names.prefixed(torch_names.lm_head_torch_params(True, False), ("lm_head",),
@@ -154,6 +165,97 @@ def fuse_projections(cfg, state_dict: Mapping) -> dict:
         out[prefix + fused] = torch.cat(arrays, dim=0)
       else:
         out[prefix + fused] = np.concatenate(arrays, axis=0)
+  return out
+
+
+# Mixture-of-Experts layouts: hf_param_map's keys hold the experts stacked, gate and up apart
+# (``mlp.experts.gate_proj`` [E, f, d], ``up_proj``, ``down_proj`` [E, d, f]).
+_EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def _cat(arrays, axis):
+  if isinstance(arrays[0], np.ndarray):
+    return np.concatenate(arrays, axis=axis)
+  import torch
+
+  return torch.cat(arrays, dim=axis)
+
+
+def _stack(arrays):
+  if isinstance(arrays[0], np.ndarray):
+    return np.stack(arrays)
+  import torch
+
+  return torch.stack(arrays)
+
+
+def _experts_layout(cfg):
+  """``(module, (gate, up, down))``: how the family's checkpoint files name each expert."""
+  from jaxfuse.models import families
+
+  fam = families.BY_TYPE.get(cfg.model_type)
+  return (fam.experts if fam is not None and fam.experts else
+          ("mlp", _EXPERT_PROJECTIONS))
+
+
+def stack_experts(cfg, state_dict: Mapping) -> dict:
+  """A MoE checkpoint's experts in :func:`hf_param_map`'s layout, from either layout of the
+  module docstring (other families' state dicts unchanged)."""
+  if not getattr(cfg, "num_experts", 0):
+    return dict(state_dict)
+  out = dict(state_dict)
+  module, files = _experts_layout(cfg)
+  for i in range(cfg.num_layers):
+    prefix = f"model.layers.{i}."
+    fused = prefix + "mlp.experts.gate_up_proj"
+    if fused in out:
+      value = out.pop(fused)
+      f = cfg.expert_mlp_dim
+      if value.shape[1] != 2 * f:
+        raise ValueError(f"state_dict: {fused} has {value.shape[1]} rows per expert, the "
+                         f"config's 2 * {f}")
+      out[prefix + "mlp.experts.gate_proj"] = value[:, :f]
+      out[prefix + "mlp.experts.up_proj"] = value[:, f:]
+    if f"{prefix}{module}.experts.0.{files[0]}.weight" in out:
+      for ours, theirs in zip(_EXPERT_PROJECTIONS, files):
+        keys = [f"{prefix}{module}.experts.{e}.{theirs}.weight" for e in range(cfg.num_experts)]
+        missing = [k for k in keys if k not in out]
+        if missing:
+          raise ValueError(f"state_dict: missing keys {missing} (the config has "
+                           f"{cfg.num_experts} experts)")
+        out[f"{prefix}mlp.experts.{ours}"] = _stack([out.pop(k) for k in keys])
+    if module != "mlp" and f"{prefix}{module}.gate.weight" in out:
+      out[prefix + "mlp.gate.weight"] = out.pop(f"{prefix}{module}.gate.weight")
+  return out
+
+
+def fuse_experts(cfg, state_dict: Mapping) -> dict:
+  """:func:`hf_param_map`'s experts as ``transformers`` 5 holds them: gate and up fused into
+  ``mlp.experts.gate_up_proj`` (the inverse of :func:`stack_experts`)."""
+  if not getattr(cfg, "num_experts", 0):
+    return dict(state_dict)
+  out = dict(state_dict)
+  for i in range(cfg.num_layers):
+    prefix = f"model.layers.{i}.mlp.experts."
+    out[prefix + "gate_up_proj"] = _cat([out.pop(prefix + "gate_proj"),
+                                         out.pop(prefix + "up_proj")], 1)
+  return out
+
+
+def experts_one_by_one(cfg, state_dict: Mapping) -> dict:
+  """:func:`hf_param_map`'s experts one by one under the family's checkpoint names (as
+  ``transformers``' ``save_pretrained`` writes them), the router under the same module."""
+  if not getattr(cfg, "num_experts", 0):
+    return dict(state_dict)
+  out = dict(state_dict)
+  module, files = _experts_layout(cfg)
+  for i in range(cfg.num_layers):
+    prefix = f"model.layers.{i}."
+    for ours, theirs in zip(_EXPERT_PROJECTIONS, files):
+      stacked = out.pop(f"{prefix}mlp.experts.{ours}")
+      for e in range(cfg.num_experts):
+        out[f"{prefix}{module}.experts.{e}.{theirs}.weight"] = np.ascontiguousarray(stacked[e])
+    out[f"{prefix}{module}.gate.weight"] = out.pop(prefix + "mlp.gate.weight")
   return out
 
 
@@ -233,7 +335,8 @@ def load_hf_state_dict(model, state_dict: Mapping, *, strict: bool = True) -> No
     load_hf_state_dict(unrolled, state_dict, strict=strict)
     nnx.update(model, nnx.state(unrolled.with_layers(True)))
     return
-  state_dict = split_fused(model.cfg, _canonical_keys(model, state_dict))
+  state_dict = stack_experts(model.cfg,
+                             split_fused(model.cfg, _canonical_keys(model, state_dict)))
   _torch_maps.load_torch_state_dict(model, state_dict, strict=strict,
                                     mapping=hf_param_map(model.cfg))
 
@@ -262,7 +365,7 @@ def hf_state_dict(model, *, as_torch: bool = False) -> dict:
   if getattr(model, "scan_layers", False):
     model = model.with_layers(False)
   state = _torch_maps.torch_state_dict(model, as_torch=as_torch, mapping=hf_param_map(model.cfg))
-  return fuse_projections(model.cfg, state)
+  return fuse_experts(model.cfg, fuse_projections(model.cfg, state))
 
 
 # Checkpoint files --------------------------------------------------------------------------------
@@ -392,7 +495,8 @@ def save_pretrained(model, path: str | os.PathLike, model_type: str | None = Non
 
   The directory gets ``config.json`` (from :meth:`DecoderConfig.to_hf`, with ``architectures``
   and ``dtype`` set; needs ``transformers``) and ``model.safetensors`` (the parameters in their
-  ``param_dtype``; no ``lm_head.weight`` when tied). A sharded checkpoint already there (an
+  ``param_dtype``; no ``lm_head.weight`` when tied; a MoE layer's experts one by one, as
+  ``transformers`` writes them). A sharded checkpoint already there (an
   index and the shards it lists) is removed, so that loaders find this one.
 
   Args:
@@ -423,7 +527,8 @@ def save_pretrained(model, path: str | os.PathLike, model_type: str | None = Non
     index.unlink()
   hf_config.save_pretrained(directory)
   state = hf_state_dict(model.with_layers(False) if model.scan_layers else model)
+  written = model.cfg.replace(model_type=model_type)
   if model_type != model.cfg.model_type:   # the weights as the written family stores them
-    state = fuse_projections(model.cfg.replace(model_type=model_type),
-                             split_fused(model.cfg, state))
+    state = fuse_projections(written, split_fused(model.cfg, state))
+  state = experts_one_by_one(written, stack_experts(model.cfg, state))
   safetensors.numpy.save_file(state, directory / SAFETENSORS_NAME, metadata={"format": "pt"})

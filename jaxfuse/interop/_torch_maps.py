@@ -24,7 +24,8 @@ class TorchParam(NamedTuple):
   Attributes:
     key: the state-dict key, e.g. ``"q_proj.weight"``.
     transposed: the torch tensor is the (flattened) parameter transposed: a flax kernel
-      ``[in, out]`` is a torch ``nn.Linear`` weight ``[out, in]``.
+      ``[in, out]`` is a torch ``nn.Linear`` weight ``[out, in]``; of a stack of kernels
+      ``[E, in, out]`` (a MoE layer's experts), each is transposed: ``[E, out, in]``.
     flatten: ``(start_dim, end_dim)``: these axes of the parameter (both included) are one axis
       of the torch tensor, e.g. ``(1, 2)`` for a ``LinearGeneral`` kernel ``[in, heads, head_dim]``
       whose torch weight is ``[heads * head_dim, in]``. ``None``: no axes are merged.
@@ -52,21 +53,21 @@ class TorchParam(NamedTuple):
         raise ValueError(f"{self.key!r}: cannot flatten axes {self.flatten} of a parameter of "
                          f"shape {shape}")
       shape = shape[:start] + (math.prod(shape[start:end + 1]),) + shape[end + 1:]
-    if self.transposed and len(shape) != 2:
-      raise ValueError(f"{self.key!r}: a transposed entry needs a 2-D tensor (after "
-                       f"flattening), got shape {shape}")
+    if self.transposed and len(shape) not in (2, 3):
+      raise ValueError(f"{self.key!r}: a transposed entry needs a 2-D tensor or a stack of "
+                       f"them (after flattening), got shape {shape}")
     return shape
 
   def torch_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
     """The torch tensor's shape for a parameter of ``shape``."""
     flat = self._flattened(shape)
-    return flat[::-1] if self.transposed else flat
+    return flat[:-2] + flat[-2:][::-1] if self.transposed else flat
 
   def to_torch(self, value) -> np.ndarray:
     """The torch layout (a contiguous numpy array) of a parameter's value."""
     value = np.asarray(value)
     value = value.reshape(self._flattened(value.shape))
-    return np.ascontiguousarray(value.T if self.transposed else value)
+    return np.ascontiguousarray(np.swapaxes(value, -1, -2) if self.transposed else value)
 
   def from_torch(self, value, shape: tuple[int, ...]) -> np.ndarray:
     """The parameter of ``shape`` from its torch tensor; raises if the tensor's shape is not
@@ -76,7 +77,7 @@ class TorchParam(NamedTuple):
     if tuple(value.shape) != expected:
       raise ValueError(f"state_dict[{self.key!r}]: expected shape {expected}, got "
                        f"{tuple(value.shape)}")
-    return (value.T if self.transposed else value).reshape(shape)
+    return (np.swapaxes(value, -1, -2) if self.transposed else value).reshape(shape)
 
 
 def entries(mapping: Mapping) -> dict[tuple, TorchParam]:

@@ -3,9 +3,11 @@
 :data:`PARAM_AXES` names the axes of each parameter (by the end of its path; see
 :func:`jaxfuse.parallel.annotate`): Megatron's tensor parallelism (q/k/v, gate and up split by
 their outputs, o and down by their inputs, the vocabulary split in the embedding and head) and
-FSDP over ``d_model``. Norm scales are replicated. The activation axes below are what
-:func:`jaxfuse.parallel.constrain` is given between the ops; :data:`jaxfuse.parallel.RULES` maps
-both onto the mesh.
+FSDP over ``d_model``. Norm scales are replicated. A MoE layer's stacked expert kernels carry
+an ``expert`` axis first (for expert parallelism; no rule maps it yet: replicated), then the
+axes of a gated MLP's kernels; its router ``[d_model, E]`` is split by ``d_model``. The
+activation axes below are what :func:`jaxfuse.parallel.constrain` is given between the ops;
+:data:`jaxfuse.parallel.RULES` maps both onto the mesh.
 
 Example:
   >>> from jaxfuse.models.axes import PARAM_AXES
@@ -28,6 +30,9 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
     **_linear("o_proj", "heads", "embed"),
     **_linear("(gate|up)_proj", "embed", "mlp"),
     **_linear("down_proj", "mlp", "embed"),
+    r"router\.kernel": ("embed", None),
+    r"experts\.(gate|up)_proj": ("expert", "embed", "mlp"),
+    r"experts\.down_proj": ("expert", "mlp", "embed"),
     r"lm_head\.kernel": ("vocab", "embed"),   # [V, D], the embedding's layout
     r"lm_head\.bias": ("vocab",),
     r"scale": ("norm",),

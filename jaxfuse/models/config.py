@@ -75,6 +75,18 @@ class DecoderConfig:
       ``query_pre_attn_scalar ** -0.5``).
     attn_logit_softcap: attention scores ``c * tanh(s / c)`` (Gemma 2).
     final_logit_softcap: the logits ``c * tanh(z / c)`` (Gemma 2).
+    num_experts: the experts of each block's Mixture-of-Experts MLP (Mixtral, Qwen3-MoE):
+      a router sends each token to ``experts_per_token`` of them (:mod:`jaxfuse.blocks.moe`);
+      0: a dense MLP.
+    experts_per_token: the top k of the routing.
+    expert_mlp_dim: each expert's hidden width (default ``mlp_dim``).
+    router_renormalize: the top-k routing weights are divided by their sum (Mixtral; Qwen3-MoE's
+      ``norm_topk_prob``).
+    router_aux_loss_coef: the loss adds this times the load-balancing loss of every layer's
+      routing (as ``transformers`` does with ``output_router_logits``); 0: none.
+    router_z_loss_coef: the loss adds this times the router z-loss (ST-MoE); 0: none.
+    capacity_factor: each expert takes at most ``ceil(capacity_factor * tokens * k / E)`` of a
+      batch's token-expert pairs and drops the rest; None: dropless.
     model_type: the Hugging Face family it was read from or is written as.
     pad_token_id: the padding token, whose embedding row gets no gradient from the lookup
       (as torch's ``nn.Embedding(padding_idx=...)``); None: none.
@@ -110,6 +122,13 @@ class DecoderConfig:
   query_scale: float | None = None
   attn_logit_softcap: float | None = None
   final_logit_softcap: float | None = None
+  num_experts: int = 0
+  experts_per_token: int = 2
+  expert_mlp_dim: int | None = None
+  router_renormalize: bool = True
+  router_aux_loss_coef: float = 0.0
+  router_z_loss_coef: float = 0.0
+  capacity_factor: float | None = None
   model_type: str = "llama"
   pad_token_id: int | None = None
   max_seq_len: int = 2048
@@ -128,6 +147,8 @@ class DecoderConfig:
     object.__setattr__(self, "rope_params", freeze(dict(self.rope_params)))
     if self.layer_types is not None:
       object.__setattr__(self, "layer_types", tuple(self.layer_types))
+    if self.num_experts and self.expert_mlp_dim is None:
+      object.__setattr__(self, "expert_mlp_dim", self.mlp_dim)
     self._check()
 
   def _check(self):
@@ -168,11 +189,32 @@ class DecoderConfig:
       value = getattr(self, name)
       if value is not None and not value > 0:
         fail(f"{name} must be None or > 0, got {value!r}")
+    if isinstance(self.num_experts, bool) or not isinstance(self.num_experts, int) \
+        or self.num_experts < 0:
+      fail(f"num_experts must be an int >= 0, got {self.num_experts!r}")
+    if self.num_experts:
+      if not 1 <= self.experts_per_token <= self.num_experts:
+        fail(f"experts_per_token must be in [1, num_experts={self.num_experts}], got "
+             f"{self.experts_per_token!r}")
+      if not isinstance(self.expert_mlp_dim, int) or self.expert_mlp_dim < 1:
+        fail(f"expert_mlp_dim must be a positive int, got {self.expert_mlp_dim!r}")
+      if self.mlp_bias:
+        fail("mlp_bias: the experts have no biases")
+    for name in ("router_aux_loss_coef", "router_z_loss_coef"):
+      if not getattr(self, name) >= 0:
+        fail(f"{name} must be >= 0, got {getattr(self, name)!r}")
+    if self.capacity_factor is not None and not self.capacity_factor > 0:
+      fail(f"capacity_factor must be None or > 0, got {self.capacity_factor!r}")
     self.rope()   # checks the rotary parameters
 
   @property
   def kv_heads(self) -> int:
     return self.num_kv_heads
+
+  @property
+  def moe(self) -> bool:
+    """The blocks' MLPs are Mixtures of Experts."""
+    return self.num_experts > 0
 
   def layer_kind(self, i: int) -> str:
     """``"sliding"`` or ``"full"``: the attention of layer ``i``."""

@@ -13,6 +13,11 @@ the LM head. ``fused`` chooses how it computes, never what parameters it has:
   ``optax.softmax_cross_entropy_with_integer_labels``. It is the baseline every figure is
   measured against; :func:`nnx.state` of one loads into the other.
 
+With ``num_experts`` in the config (Mixtral, Qwen3-MoE) each block's MLP is a Mixture of
+Experts (:class:`jaxfuse.models.decoder_block.MoE`, over :mod:`jaxfuse.blocks.moe`): the blocks
+pass their routing statistics along with the residual stream, and the loss adds the
+load-balancing loss (and a router z-loss) as the config says (:meth:`Decoder.router_loss`).
+
 The parameter tree follows Hugging Face's names (``layers[i].self_attn.q_proj``,
 ``mlp.gate_proj``, ``input_layernorm``, ...), so :mod:`jaxfuse.interop` maps it one to one.
 
@@ -47,6 +52,7 @@ from flax import nnx
 
 from jaxfuse import nnx as jnnx
 from jaxfuse import parallel
+from jaxfuse.blocks import moe as moe_blocks
 from jaxfuse.models import decoding, stacking
 from jaxfuse.models.axes import FULL_SEQ, PARAM_AXES, STREAM
 from jaxfuse.models.config import DecoderConfig
@@ -143,9 +149,13 @@ class Decoder(LayerStack, nnx.Module):
     """What the first block receives for ``tokens`` (the input of :meth:`Block.step`): when
     fused and no block is recomputed, ``(pending, stream)``, so that each residual add is fused
     with the RMSNorm after it across the blocks' boundary; otherwise the embedded tokens, the
-    one array a recomputed block keeps."""
+    one array a recomputed block keeps. With MoE blocks, ``{"h": that, "stats": ...}``: the
+    routing statistics ride along (:func:`jaxfuse.blocks.moe.router_stats`)."""
     h = parallel.constrain(self.embed(tokens), *STREAM)
-    return (jnp.zeros_like(h), h) if self._pending_carry else h
+    carry = (jnp.zeros_like(h), h) if self._pending_carry else h
+    if self.cfg.moe:
+      return {"h": carry, "stats": moe_blocks.empty_stats(self.cfg.num_experts)}
+    return carry
 
   def embed(self, tokens: jax.Array) -> jax.Array:
     """The embedded tokens (times ``sqrt(d_model)`` in their dtype where the family scales
@@ -186,7 +196,8 @@ class Decoder(LayerStack, nnx.Module):
     return None if parts == 1 else parallel.zigzag_order(length, parts)
 
   def _hidden(self, tokens, positions, segment_ids):
-    """The final hidden states in the blocks' order, with the order the blocks saw them in."""
+    """The final hidden states in the blocks' order, with the order the blocks saw them in and
+    the routing statistics of the MoE blocks (None without)."""
     if positions is None:
       positions = jnp.arange(tokens.shape[-1])
     order = self.sequence_order(tokens.shape[-1])
@@ -195,17 +206,40 @@ class Decoder(LayerStack, nnx.Module):
       if segment_ids is not None:
         segment_ids = segment_ids[..., order]
     carry = self.apply_blocks(self.block_carry(tokens), positions, segment_ids)
+    stats = None
+    if isinstance(carry, dict):
+      carry, stats = carry["h"], carry["stats"]
     if isinstance(carry, tuple):
       h = self.norm.add(*carry)[0]
     else:
       h = self.norm(carry)
-    return parallel.constrain(h, *FULL_SEQ), order
+    return parallel.constrain(h, *FULL_SEQ), order, stats
 
   def hidden(self, tokens: jax.Array, positions: jax.Array | None = None,
              segment_ids: jax.Array | None = None) -> jax.Array:
     """The final normalized hidden states ``[batch, seq, d_model]``."""
-    h, order = self._hidden(tokens, positions, segment_ids)
+    h, order, _ = self._hidden(tokens, positions, segment_ids)
     return h if order is None else h[:, np.argsort(order)]
+
+  def router_stats(self, tokens: jax.Array, positions: jax.Array | None = None,
+                   segment_ids: jax.Array | None = None) -> dict:
+    """The routing statistics of every MoE block together (padding, segment id 0, left out):
+    ``counts`` and ``probs`` per expert, ``rows``, ``z``, and the token-expert pairs
+    ``dropped`` by the capacity (:func:`jaxfuse.blocks.moe.router_stats`)."""
+    if not self.cfg.moe:
+      raise ValueError("router_stats: the model has no Mixture-of-Experts blocks")
+    return self._hidden(tokens, positions, segment_ids)[2]
+
+  def router_loss(self, stats: dict) -> jax.Array:
+    """What the routing adds to the loss: ``router_aux_loss_coef`` times the load-balancing
+    loss plus ``router_z_loss_coef`` times the z-loss of the summed statistics ``stats``."""
+    cfg = self.cfg
+    loss = jnp.zeros((), jnp.float32)
+    if cfg.router_aux_loss_coef:
+      loss += cfg.router_aux_loss_coef * moe_blocks.load_balancing_loss(stats)
+    if cfg.router_z_loss_coef:
+      loss += cfg.router_z_loss_coef * moe_blocks.router_z_loss(stats)
+    return loss
 
   def __call__(self, tokens: jax.Array, targets: jax.Array,
                positions: jax.Array | None = None,
@@ -215,8 +249,17 @@ class Decoder(LayerStack, nnx.Module):
 
     Packed rows (several documents in one row): ``positions`` ``[batch, seq]`` restart at each
     document, ``segment_ids`` ``[batch, seq]`` keep attention inside each document, and the
-    targets hold ``IGNORE_INDEX`` at each document's last token (see :mod:`jaxfuse.data`)."""
-    h, order = self._hidden(tokens, positions, segment_ids)
+    targets hold ``IGNORE_INDEX`` at each document's last token (see :mod:`jaxfuse.data`).
+
+    With MoE blocks, :meth:`router_loss` is added (as ``transformers`` adds
+    ``router_aux_loss_coef`` times the load-balancing loss with ``output_router_logits``)."""
+    h, order, stats = self._hidden(tokens, positions, segment_ids)
+    if stats is None:
+      return self._token_loss(h, targets, order)
+    return self._token_loss(h, targets, order) + self.router_loss(stats)
+
+  def _token_loss(self, h, targets, order):
+    """The mean cross-entropy of the final hidden states ``h`` (in the blocks' ``order``)."""
     if order is not None:
       # The targets in the blocks' order, and the tokens sequence-major: the sequence is split
       # over the mesh, so that flattening [seq, batch] into the loss's rows moves no data.

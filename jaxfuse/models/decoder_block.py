@@ -28,11 +28,13 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxfuse import nnx as jnnx
 from jaxfuse import ops, parallel
 from jaxfuse.blocks import attention as attention_blocks
+from jaxfuse.blocks import moe as moe_blocks
 from jaxfuse.blocks.linear import HIGHEST, project
 from jaxfuse.models import decoding
 from jaxfuse.models.axes import HEADS, KV_HEADS, STREAM
 from jaxfuse.models.config import DecoderConfig
 from jaxfuse.ops import names
+from jaxfuse.remat.recompute import recompute
 
 # The norms of a block by placement, Hugging Face's names: before attention, after it, before
 # the MLP, after it (None: no such norm).
@@ -254,14 +256,79 @@ class MLP(jnnx.GatedMLP):
     return checkpoint_name(parallel.constrain(down, *STREAM), names.MLP_DOWN)
 
 
+class Experts(nnx.Module):
+  """A MoE layer's experts: gated MLPs without biases, their kernels stacked on a leading
+  expert axis (``gate_proj``, ``up_proj``: ``[E, d_model, f]``; ``down_proj``: ``[E, f,
+  d_model]``), the layout of :func:`jaxfuse.ops.grouped_matmul`."""
+
+  def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
+    init = nnx.initializers.normal(cfg.initializer_range)
+    e, d, f = cfg.num_experts, cfg.d_model, cfg.expert_mlp_dim
+    self.gate_proj = nnx.Param(init(rngs.params(), (e, d, f), cfg.param_dtype))
+    self.up_proj = nnx.Param(init(rngs.params(), (e, d, f), cfg.param_dtype))
+    self.down_proj = nnx.Param(init(rngs.params(), (e, f, d), cfg.param_dtype))
+
+
+class MoE(nnx.Module):
+  """A Mixture-of-Experts MLP in a block's place (Mixtral, Qwen3-MoE): a ``router``
+  (``nnx.Linear`` ``[d_model, E]``, Hugging Face's ``mlp.gate``) sends each token to its top
+  ``experts_per_token`` :class:`Experts` (:func:`jaxfuse.blocks.moe.moe_mlp`: tokens sorted by
+  expert, grouped products, dropless unless the config has a ``capacity_factor``).
+
+  Fused, the grouped products are :func:`jaxfuse.ops.grouped_matmul` and, while no policy of
+  the model's decides (``recompute="activation"``, set by the model), the backward keeps only
+  the router logits, the routing and the rows sent to the experts (``moe.router``,
+  ``moe.routing``, ``moe.routed``) and recomputes the experts' products; unfused, they are
+  :func:`jax.lax.ragged_dot` and nothing is recomputed.
+  """
+
+  # What recompute="activation" keeps.
+  KEEPS = (names.MOE_ROUTER, names.MOE_ROUTING, names.MOE_ROUTED)
+
+  def __init__(self, cfg: DecoderConfig, *, fused: bool, implementation: str | None,
+               rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.fused = fused
+    self.implementation = implementation
+    self.recompute = "activation"
+    self.router = make_linear(cfg, cfg.d_model, cfg.num_experts, False, rngs)
+    self.experts = Experts(cfg, rngs=rngs)
+
+  def routed(self, x: jax.Array, mask: jax.Array | None = None):
+    """``(out, stats)``: the layer's output and its routing statistics
+    (:func:`jaxfuse.blocks.moe.router_stats`, over the rows where ``mask`` is true)."""
+    cfg = self.cfg
+    x = x.astype(cfg.dtype or x.dtype)
+
+    def layer(x, router, gate, up, down, mask):
+      return moe_blocks.moe_mlp(x, router, gate, up, down, top_k=cfg.experts_per_token,
+                                renormalize=cfg.router_renormalize, activation=cfg.activation,
+                                capacity_factor=cfg.capacity_factor, mask=mask,
+                                fused=self.fused, implementation=self.implementation)
+
+    if self.fused and self.recompute == "activation":
+      layer = recompute(layer, policy=list(self.KEEPS))
+    experts = self.experts
+    out, stats = layer(x, self.router.kernel[...], experts.gate_proj[...], experts.up_proj[...],
+                       experts.down_proj[...], mask)
+    return parallel.constrain(out, *STREAM), stats
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return self.routed(x)[0]
+
+
 def make_attention(cfg: DecoderConfig, fused: bool, implementation: str | None,
                    rngs: nnx.Rngs) -> Attention:
   """A block's self-attention."""
   return Attention(cfg, fused=fused, implementation=implementation, rngs=rngs)
 
 
-def make_mlp(cfg: DecoderConfig, fused: bool, implementation: str | None, rngs: nnx.Rngs) -> MLP:
-  """A block's MLP (a Mixture-of-Experts layer takes its place: ``x -> y`` of one shape)."""
+def make_mlp(cfg: DecoderConfig, fused: bool, implementation: str | None,
+             rngs: nnx.Rngs) -> MLP | MoE:
+  """A block's MLP: gated, or a Mixture of Experts (:class:`MoE`) where the config has
+  experts."""
+  if cfg.moe:
+    return MoE(cfg, fused=fused, implementation=implementation, rngs=rngs)
   return MLP(cfg, fused=fused, implementation=implementation, rngs=rngs)
 
 
@@ -286,39 +353,51 @@ class Block(nnx.Module):
     return tuple(None if name is None else getattr(self, name)
                  for name in NORMS[self.placement])
 
+  def _mlp(self, x: jax.Array, segment_ids, stats):
+    """The MLP of ``x``, and the routing statistics ``stats`` with this layer's added (a MoE
+    layer's; None: not collected). Padding (segment id 0) is left out of them."""
+    if stats is None:
+      return self.mlp(x), None
+    mask = None if segment_ids is None else segment_ids != 0
+    out, layer = self.mlp.routed(x, mask)
+    return out, moe_blocks.add_stats(stats, layer)
+
   def __call__(self, h: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None,
-               index=0) -> jax.Array:
+               index=0, stats=None):
     """The block on the residual stream ``h``, one residual add after each of its halves;
-    attention within the segments of ``segment_ids`` where given."""
+    attention within the segments of ``segment_ids`` where given. With ``stats`` (a MoE
+    block's routing statistics so far), returns ``(h, stats)``."""
     before_attn, after_attn, before_mlp, after_mlp = self._norms()
     h = parallel.constrain(h, *STREAM)
     a = self.self_attn(before_attn(h) if before_attn else h, positions, segment_ids, index)
     h = h + (after_attn(a) if after_attn else a)
-    m = self.mlp(before_mlp(h) if before_mlp else h)
-    return h + (after_mlp(m) if after_mlp else m)
+    m, stats = self._mlp(before_mlp(h) if before_mlp else h, segment_ids, stats)
+    h = h + (after_mlp(m) if after_mlp else m)
+    return h if stats is None else (h, stats)
 
   def fused_call(self, pending: jax.Array, stream: jax.Array, positions: jax.Array,
-                 segment_ids: jax.Array | None = None, index=0) -> tuple[jax.Array, jax.Array]:
+                 segment_ids: jax.Array | None = None, index=0, stats=None):
     """The fused block of a family with norms before attention and the MLP: the residual
     stream is ``stream + pending``, where ``pending`` is the previous block's MLP output
     (zeros before the first block), added by this block's input norm in the same op. Returns
     this block's ``(pending, stream)``: each residual add is fused with the norm that follows
-    it."""
+    it (and, with ``stats``, the routing statistics: ``((pending, stream), stats)``)."""
     before_attn, after_attn, before_mlp, after_mlp = self._norms()
     pending = checkpoint_name(parallel.constrain(pending, *STREAM), names.BLOCK_INPUT)
     stream = checkpoint_name(parallel.constrain(stream, *STREAM), names.BLOCK_INPUT)
     normed, stream = before_attn.add(pending, stream)
     a = self.self_attn(normed, positions, segment_ids, index)
     normed, stream = before_mlp.add(after_attn(a) if after_attn else a, stream)
-    m = self.mlp(normed)
-    return (after_mlp(m) if after_mlp else m), stream
+    m, stats = self._mlp(normed, segment_ids, stats)
+    out = ((after_mlp(m) if after_mlp else m), stream)
+    return out if stats is None else (out, stats)
 
   def stream_call(self, h: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None,
-                  index=0) -> jax.Array:
+                  index=0, stats=None):
     """The fused block on the whole residual stream ``h``: the add after attention is fused
     with the norm before the MLP (where there is one); the MLP's output is added to the stream
     by itself. One array crosses the block's boundary (what a recomputed block keeps) instead
-    of two."""
+    of two (with ``stats``, returns ``(h, stats)``)."""
     before_attn, after_attn, before_mlp, after_mlp = self._norms()
     h = checkpoint_name(parallel.constrain(h, *STREAM), names.BLOCK_INPUT)
     a = self.self_attn(before_attn(h) if before_attn else h, positions, segment_ids, index)
@@ -328,8 +407,9 @@ class Block(nnx.Module):
       normed = stream
     else:
       normed, stream = before_mlp.add(a, h)
-    m = self.mlp(normed)
-    return stream + (after_mlp(m) if after_mlp else m)
+    m, stats = self._mlp(normed, segment_ids, stats)
+    h = stream + (after_mlp(m) if after_mlp else m)
+    return h if stats is None else (h, stats)
 
   @staticmethod
   def fuses_across(cfg: DecoderConfig) -> bool:
@@ -339,14 +419,21 @@ class Block(nnx.Module):
 
   def step(self, carry, positions, segment_ids=None, index=0):
     """One block on the carry of :meth:`jaxfuse.models.Decoder.hidden`: ``(pending, stream)``
-    when fused across blocks (a tuple), the residual stream otherwise; ``segment_ids`` (or
+    when fused across blocks (a tuple), the residual stream otherwise, or, for a model with
+    MoE blocks, ``{"h": either, "stats": the routing statistics so far}``; ``segment_ids`` (or
     None) those of packed documents; ``index`` is the layer's."""
+    if isinstance(carry, dict):
+      h, stats = self._step(carry["h"], positions, segment_ids, index, carry["stats"])
+      return {"h": h, "stats": stats}
+    return self._step(carry, positions, segment_ids, index)
+
+  def _step(self, carry, positions, segment_ids, index, stats=None):
     if isinstance(carry, tuple):
-      return self.fused_call(*carry, positions, segment_ids, index)
+      return self.fused_call(*carry, positions, segment_ids, index, stats)
     if self.fused:
-      return self.stream_call(carry, positions, segment_ids, index)
-    return self(checkpoint_name(carry, names.BLOCK_INPUT), positions, segment_ids, index)
+      return self.stream_call(carry, positions, segment_ids, index, stats)
+    return self(checkpoint_name(carry, names.BLOCK_INPUT), positions, segment_ids, index, stats)
 
 
-__all__ = ["Attention", "Block", "MLP", "NORMS", "RMSNorm", "by_kind", "make_attention",
-           "make_linear", "make_mlp", "make_norm"]
+__all__ = ["Attention", "Block", "Experts", "MLP", "MoE", "NORMS", "RMSNorm", "by_kind",
+           "make_attention", "make_linear", "make_mlp", "make_norm"]

@@ -10,7 +10,8 @@ that changes the computation is refused, named, when it differs from the family'
 Example:
   >>> from jaxfuse.models import families
   >>> [f.model_type for f in families.FAMILIES]
-  ['llama', 'mistral', 'qwen2', 'qwen3', 'gemma2', 'gemma3_text', 'phi3', 'olmo2']
+  ['llama', 'mistral', 'qwen2', 'qwen3', 'gemma2', 'gemma3_text', 'phi3', 'olmo2', 'mixtral',
+   'qwen3_moe']
 """
 
 from __future__ import annotations
@@ -82,6 +83,10 @@ class Family:
     fields: the config fields ``read`` maps (beyond :data:`COMMON_FIELDS`).
     fused_projections: its checkpoints fuse q/k/v into ``qkv_proj`` and gate/up into
       ``gate_up_proj`` (Phi-3).
+    experts: for a Mixture-of-Experts family, how its checkpoint files name each expert:
+      ``(module, (gate, up, down))``, e.g. Mixtral's ``block_sparse_moe.experts.{e}.w1``
+      (``transformers`` 5 holds them stacked, ``mlp.experts.gate_up_proj``, and writes them
+      one by one); None: a dense family.
   """
 
   model_type: str
@@ -92,6 +97,7 @@ class Family:
   write: Callable[[DecoderConfig], dict]
   fields: frozenset = frozenset()
   fused_projections: bool = False
+  experts: tuple | None = None
 
 
 # Per-family pieces ------------------------------------------------------------------------------
@@ -152,6 +158,54 @@ def _write_types(cfg: DecoderConfig) -> dict:
   return out
 
 
+def _moe(f: Fields, num_experts: int, *, renormalize: bool) -> dict:
+  """The Mixture-of-Experts fields: the auxiliary loss is the model's when ``transformers``
+  adds it (``output_router_logits``)."""
+  aux = float(f.get("router_aux_loss_coef", 0.001)) if f.get("output_router_logits") else 0.0
+  return {"num_experts": int(num_experts), "experts_per_token": int(f.get("num_experts_per_tok")),
+          "router_renormalize": bool(renormalize), "router_aux_loss_coef": aux}
+
+
+def _write_moe(cfg: DecoderConfig) -> dict:
+  return {"num_experts_per_tok": cfg.experts_per_token,
+          "output_router_logits": cfg.router_aux_loss_coef > 0,
+          "router_aux_loss_coef": cfg.router_aux_loss_coef or 0.001}
+
+
+def _mixtral(f: Fields) -> dict:
+  if f.get("router_jitter_noise", 0.0):
+    f.refuse("router_jitter_noise", f.get("router_jitter_noise"),
+             "the router's training noise is not supported (only 0)")
+  return {"sliding_window": f.get("sliding_window"),
+          **_moe(f, f.get("num_local_experts"), renormalize=True)}
+
+
+def _write_mixtral(cfg: DecoderConfig) -> dict:
+  return {"sliding_window": cfg.sliding_window, "num_local_experts": cfg.num_experts,
+          **_write_moe(cfg)}
+
+
+def _qwen3_moe(f: Fields) -> dict:
+  experts = f.get("num_experts") or f.get("num_local_experts") or 0
+  step, only = f.get("decoder_sparse_step", 1), list(f.get("mlp_only_layers") or [])
+  dense = [i for i in range(f.get("num_hidden_layers"))
+           if i in only or not experts or (i + 1) % step]
+  if dense:
+    field = "mlp_only_layers" if only else "decoder_sparse_step" if experts else "num_experts"
+    f.refuse(field, f.get(field), f"layers {dense} would have dense MLPs; only models whose "
+             f"every layer is a Mixture of Experts are supported")
+  return {"qk_norm": "head", **_attention_bias(f), **_layer_types(f, window_default=False),
+          "expert_mlp_dim": int(f.get("moe_intermediate_size")),
+          **_moe(f, experts, renormalize=f.get("norm_topk_prob", False))}
+
+
+def _write_qwen3_moe(cfg: DecoderConfig) -> dict:
+  return {"attention_bias": cfg.qkv_bias, **_write_types(cfg), "num_experts": cfg.num_experts,
+          "moe_intermediate_size": cfg.expert_mlp_dim, "norm_topk_prob": cfg.router_renormalize,
+          "decoder_sparse_step": 1, "mlp_only_layers": [], **_write_moe(cfg)}
+
+
+_MOE_FIELDS = frozenset({"num_experts_per_tok", "output_router_logits", "router_aux_loss_coef"})
 _GEMMA_FIELDS = frozenset({"query_pre_attn_scalar", "attn_logit_softcapping",
                            "final_logit_softcapping", "attention_bias", "sliding_window",
                            "layer_types", "use_bidirectional_attention"})
@@ -201,6 +255,22 @@ FAMILIES: tuple[Family, ...] = (
            "projection",
            lambda f: {"norm_placement": "post", "qk_norm": "projection", **_attention_bias(f)},
            lambda cfg: {"attention_bias": cfg.qkv_bias}, frozenset({"attention_bias"})),
+    Family("mixtral", "MixtralForCausalLM", "MixtralConfig",
+           "Mixture of Experts: each block's MLP is num_local_experts SwiGLU experts, top-k "
+           "softmax routing renormalized (grouped products over tokens sorted by expert), "
+           "the load-balancing loss with output_router_logits; a sliding window",
+           _mixtral, _write_mixtral,
+           _MOE_FIELDS | {"sliding_window", "num_local_experts", "router_jitter_noise"},
+           experts=("block_sparse_moe", ("w1", "w3", "w2"))),
+    Family("qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3MoeConfig",
+           "Qwen3's attention with a Mixture of Experts in every block (moe_intermediate_size "
+           "wide, norm_topk_prob), the load-balancing loss with output_router_logits; "
+           "dense layers (mlp_only_layers, decoder_sparse_step) are refused",
+           _qwen3_moe, _write_qwen3_moe,
+           _MOE_FIELDS | {"attention_bias", "sliding_window", "use_sliding_window",
+                          "num_experts", "num_local_experts", "moe_intermediate_size",
+                          "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers"},
+           experts=("mlp", ("gate_proj", "up_proj", "down_proj"))),
 )
 BY_TYPE = {f.model_type: f for f in FAMILIES}
 MODEL_TYPES = tuple(BY_TYPE)

@@ -26,6 +26,13 @@ name             value                                                 tagged by
 ``mlp.hidden``   the hidden activation, the down projection's input    :mod:`jaxfuse.remat.mlp`
 ``mlp.down``     the down projection's output                          :mod:`jaxfuse.remat.mlp`
 ``lora.xa``      a LoRA adapter's ``x @ lora_a``, ``[..., rank]``      :mod:`jaxfuse.ops.lora`
+``moe.router``   a MoE layer's router logits ``[tokens, experts]``     :mod:`jaxfuse.blocks.moe`
+``moe.routing``  its top-k weights and the token-expert pairs' order   :mod:`jaxfuse.blocks.moe`
+``moe.routed``   the rows sent to the experts, sorted by expert        :mod:`jaxfuse.blocks.moe`
+``moe.gate``     the experts' gate projections (grouped)               :mod:`jaxfuse.blocks.moe`
+``moe.up``       the experts' up projections (grouped)                 :mod:`jaxfuse.blocks.moe`
+``moe.hidden``   the experts' hidden activations                       :mod:`jaxfuse.blocks.moe`
+``moe.down``     the experts' outputs, before they are combined        :mod:`jaxfuse.blocks.moe`
 ===============  ====================================================  ==========================
 
 Example:
@@ -53,6 +60,14 @@ MLP_PRE = "mlp.pre"
 MLP_HIDDEN = "mlp.hidden"
 MLP_DOWN = "mlp.down"
 LORA_XA = "lora.xa"
+MOE_ROUTER = "moe.router"
+MOE_ROUTING = "moe.routing"
+MOE_ROUTED = "moe.routed"
+MOE_GATE = "moe.gate"
+MOE_UP = "moe.up"
+MOE_HIDDEN = "moe.hidden"
+MOE_DOWN = "moe.down"
 
 ALL = (BLOCK_INPUT, NORM_INPUT, NORM_MEAN, NORM_RSTD, NORM_OUT, ATTN_Q, ATTN_K, ATTN_V,
-       ATTN_OUT, ATTN_LSE, ATTN_PROJ, MLP_GATE, MLP_UP, MLP_PRE, MLP_HIDDEN, MLP_DOWN, LORA_XA)
+       ATTN_OUT, ATTN_LSE, ATTN_PROJ, MLP_GATE, MLP_UP, MLP_PRE, MLP_HIDDEN, MLP_DOWN, LORA_XA,
+       MOE_ROUTER, MOE_ROUTING, MOE_ROUTED, MOE_GATE, MOE_UP, MOE_HIDDEN, MOE_DOWN)
