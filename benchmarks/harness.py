@@ -343,6 +343,19 @@ def torch_sync(out):
   return out
 
 
+def in_fresh_process(fn: Callable, ctx: Context, *args):
+  """``fn(ctx, *args)`` in a newly spawned Python process, whose memory goes back to the system
+  when it ends: a suite's large cases (compiled programs, torch.compile's graphs, allocator
+  pools) then do not add up from one case to the next. ``fn`` and what it returns must pickle."""
+  import concurrent.futures
+  import multiprocessing
+
+  child = Context(ctx.suite, ctx.quick, ctx.runs)
+  with concurrent.futures.ProcessPoolExecutor(
+      1, mp_context=multiprocessing.get_context("spawn")) as pool:
+    return pool.submit(fn, child, *args).result()
+
+
 @dataclasses.dataclass
 class Context:
   """Per-run settings and helpers handed to a suite's ``run``."""

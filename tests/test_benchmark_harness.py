@@ -294,3 +294,16 @@ def test_triton_bytes_are_counted_in_the_interpreter():
     # Forward: a and b read, the output written; backward: a, b and g read, the gradient written.
     assert seed._triton_counted_bytes(a, b, g, "relu", True) == (3 + 4) * 4000
     assert seed._triton_counted_bytes(a, b, g, "relu", False) == 3 * 4000
+
+
+def _child_report(ctx, value):
+  import os
+  return os.getpid(), ctx.suite, ctx.quick, value * 2
+
+
+def test_in_fresh_process_runs_the_case_in_another_process():
+  import os
+
+  from benchmarks.harness import Context, in_fresh_process
+  pid, suite, quick, doubled = in_fresh_process(_child_report, Context("train", quick=True), 21)
+  assert pid != os.getpid() and (suite, quick, doubled) == ("train", True, 42)

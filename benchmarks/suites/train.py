@@ -4,19 +4,22 @@ The decoder (:class:`jaxfuse.models.Decoder`): d_model 512, 8 query heads and 2 
 4 layers, a SwiGLU MLP of width 1536, a vocabulary of 32000, float32. Cases are named
 ``decoder d512 L4 V32000 b<batch> seq=<length>``: ``--quick`` runs batch 4 at seq 1024; the
 full run adds batch 2 at seq 2048 (the same 4096 tokens per step). The ``gemma2-like`` and
-``qwen3-like`` cases are the same shape with those families' options (:data:`FAMILY_OPTIONS`).
-Rows:
+``qwen3-like`` cases are the same shape with those families' options (:data:`FAMILY_OPTIONS`);
+the ``mixtral-like`` case replaces each block's MLP by a Mixture of Experts (8 SwiGLU experts of
+width 768, half the dense MLP's, top 2, renormalized, dropless: about the dense case's active
+MLP FLOPs per token). Rows:
 
 - ``jaxfuse-xla``: ``Decoder(cfg, fused=True, implementation="xla")``: fused residual add +
   RMSNorm, attention that keeps its output and log-sum-exp (never the scores), a gated MLP that
   recomputes its hidden activation, the fused linear cross-entropy head (no ``[tokens, V]``
   logits).
 - ``jax-unfused``: ``Decoder(cfg, fused=False)``, the same parameters in plain flax/jax parts
-  (``nnx.RMSNorm``, ``jax.nn.dot_product_attention``, full logits and optax's cross-entropy).
-  The timing baseline.
+  (``nnx.RMSNorm``, ``jax.nn.dot_product_attention``, full logits and optax's cross-entropy;
+  experts over ``jax.lax.ragged_dot``, nothing recomputed). The timing baseline.
 - ``torch-eager``: Hugging Face's model of the family (``transformers.LlamaForCausalLM``, SDPA
-  attention; Gemma 2's with eager attention, which its soft-cap needs) with the same weights
-  (:func:`jaxfuse.interop.hf_state_dict`, :meth:`DecoderConfig.to_hf`).
+  attention; Gemma 2's with eager attention, which its soft-cap needs; Mixtral's
+  ``MixtralForCausalLM`` with ``experts_implementation="eager"``, its loop over the experts)
+  with the same weights (:func:`jaxfuse.interop.hf_state_dict`, :meth:`DecoderConfig.to_hf`).
 - ``torch-compile``: the same, its loss (forward, and through AOTAutograd the backward)
   compiled with ``torch.compile``; the optimizer step runs eagerly. A compiler failure leaves
   the row with a note and no figures.
@@ -107,6 +110,10 @@ FAMILY_OPTIONS = {
                    final_logit_softcap=30.0, sliding_window=512, model_type="gemma2"),
     # Qwen3: RMSNorm of each query and key head before the rotation.
     "qwen3": dict(qk_norm="head", model_type="qwen3"),
+    # Mixtral: each block's MLP is a Mixture of Experts (the shape's mlp is each expert's
+    # width), softmax top-2 routing renormalized, dropless; no auxiliary loss (transformers
+    # adds none without output_router_logits).
+    "mixtral": dict(num_experts=8, experts_per_token=2, model_type="mixtral"),
 }
 
 
@@ -149,7 +156,8 @@ QUICK = Shape(vocab=32000, d_model=512, layers=4, heads=8, kv_heads=2, mlp=1536,
 LONG = dataclasses.replace(QUICK, batch=2, seq=2048)
 
 
-FAMILIES = [dataclasses.replace(QUICK, family=family) for family in ("gemma2", "qwen3")]
+FAMILIES = [*(dataclasses.replace(QUICK, family=family) for family in ("gemma2", "qwen3")),
+            dataclasses.replace(QUICK, family="mixtral", mlp=QUICK.mlp // 2)]
 
 
 def _shapes(ctx) -> list[Shape]:
@@ -245,13 +253,17 @@ def _hf_loss(model):
 def hf_model(cfg: DecoderConfig, state_dict: dict):
   """The family's ``transformers`` ``*ForCausalLM`` (float32) holding ``state_dict``: SDPA
   attention, or eager where the family soft-caps its attention scores (SDPA has no soft-cap:
-  Gemma 2 trains with eager attention)."""
+  Gemma 2 trains with eager attention); a Mixture of Experts with
+  ``experts_implementation="eager"``."""
   import torch
   import transformers
 
   config = cfg.to_hf()
   attention = "eager" if cfg.attn_logit_softcap is not None else "sdpa"
   config._attn_implementation = attention
+  experts = "eager" if cfg.moe else None
+  if experts:
+    config._experts_implementation = experts
   torch.manual_seed(SEED)
   model = transformers.AutoModelForCausalLM.from_config(config).float()
   missing, unexpected = model.load_state_dict(state_dict, strict=False)
@@ -261,6 +273,9 @@ def hf_model(cfg: DecoderConfig, state_dict: dict):
   if model.config._attn_implementation != attention:
     raise RuntimeError(f"expected {attention} attention, got "
                        f"{model.config._attn_implementation}")
+  if experts and model.config._experts_implementation != experts:
+    raise RuntimeError(f"expected {experts} experts, got "
+                       f"{model.config._experts_implementation}")
   return model.train()
 
 
@@ -452,25 +467,12 @@ def losses_of(r: Record) -> list[float] | None:
 # Suite entry points -----------------------------------------------------------------------------
 
 
-def release_compiled() -> None:
-  """Frees what one case compiled before the next: JAX's executables, torch.compile's graphs
-  (both are cached process-wide and would otherwise add up case after case)."""
-  import gc
-
-  jax.clear_caches()
-  try:
-    import torch._dynamo
-    torch._dynamo.reset()
-  except ImportError:
-    pass
-  gc.collect()
-
-
 def run(ctx) -> list[Record]:
   records = []
   for shape in _shapes(ctx):
-    records += case_records(ctx, shape)
-    release_compiled()
+    # One process a case: a case's compiled programs and allocator pools do not add up with the
+    # next one's (the three cases together outgrow a 24 GB machine otherwise).
+    records += harness.in_fresh_process(case_records, ctx, shape)
   return records
 
 
