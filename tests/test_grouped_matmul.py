@@ -8,11 +8,16 @@
   and every row on one expert;
 - bfloat16 on every implementation: the error against the float64 loop at most twice that of
   the torch loop in bfloat16;
+- the XLA implementation's row-tile loops on CPUs, with tiles small enough to straddle groups
+  and a last tile that would pass the last row, against the torch loop; on GPUs (lowered from
+  here) XLA's ragged products instead;
 - empty problems (no rows, no rows in any group);
 - what the backward keeps: the inputs only.
 """
 
 from __future__ import annotations
+
+import importlib
 
 import jax
 import jax.numpy as jnp
@@ -23,8 +28,12 @@ import torch
 from jaxfuse import ops
 from jaxfuse.kernels.pallas import grouped_matmul as pallas_gmm
 from jaxfuse.metrics import residuals
+from jaxfuse.ops import dispatch
 from jaxfuse.testing.torch_ref import grouped_matmul as ref
 from tests import helpers
+
+# The op's module (jaxfuse.ops.grouped_matmul is also the name of the function).
+gmm_op = importlib.import_module("jaxfuse.ops.grouped_matmul")
 
 M, K, N, G = 40, 24, 40, 4
 # With 16-row tiles (interpret mode): groups that straddle tiles, an empty one, a tile holding
@@ -125,6 +134,32 @@ def test_bfloat16_within_twice_the_torch_loops_error(impl, monkeypatch):
   for what, a, e, t in zip(("out", "d lhs", "d rhs"), got, exact, low):
     assert a.dtype == jnp.bfloat16, what
     helpers.assert_within_low_precision_error(a, e, t, what=f"{impl} {what}")
+
+
+@pytest.mark.parametrize("label", list(SIZES))
+@pytest.mark.parametrize("rows,tile", [(40, 16), (37, 16), (37, 8)])
+def test_cpu_row_tiles_match_the_torch_loop(label, rows, tile, monkeypatch):
+  monkeypatch.setattr(gmm_op, "_CPU_TILE_ROWS", tile)
+  sizes = np.array(SIZES[label])
+  sizes = np.maximum(np.minimum(sizes, rows - np.concatenate([[0], np.cumsum(sizes)[:-1]])), 0)
+  lhs, rhs, g = _inputs(rows=rows)
+  got = _run("xla", lhs, rhs, jnp.array(sizes, jnp.int32), g)
+  want = _torch(lhs, rhs, sizes.tolist(), g)
+  for what, a, b in zip(("out", "d lhs", "d rhs"), got, want):
+    helpers.assert_close(a, b, what=f"{label} {what}")
+  past = int(sizes.sum())
+  assert not np.asarray(got[0][past:]).any() and not np.asarray(got[1][past:]).any()
+
+
+@pytest.mark.parametrize("platform,ragged", [("cpu", False), ("gpu", True)])
+def test_xla_loops_over_row_tiles_on_cpus_only(platform, ragged):
+  lhs, rhs, _ = _inputs()
+  sizes = jnp.array(SIZES["straddling"], jnp.int32)
+  loss = lambda a, b: ops.grouped_matmul(a, b, sizes, implementation="xla").sum()
+  with dispatch.target_platform(platform):
+    text = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(lhs, rhs))
+  assert ("ragged_dot_general" in text) == ragged
+  assert ("while" in text) != ragged
 
 
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
