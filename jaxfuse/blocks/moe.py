@@ -55,6 +55,8 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxfuse.ops import activations, names
 from jaxfuse.ops import glu as _glu
 from jaxfuse.ops import grouped_matmul as _grouped_matmul
+from jaxfuse.parallel import experts as expert_parallel
+from jaxfuse.parallel import rules
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 # The statistics of one MoE layer that the auxiliary losses need (summed over layers).
@@ -218,43 +220,72 @@ def _plain_glu(gate, up, activation, *, implementation=None):
   return act(gate) * up
 
 
-def experts_mlp(x: jax.Array, routing: Routing, gate_kernel: jax.Array, up_kernel: jax.Array,
-                down_kernel: jax.Array, *, activation: str | Callable = "silu",
-                capacity_factor: float | None = None, fused: bool = True,
-                implementation: str | None = None):
-  """The experts' MLP of tokens ``x`` ``[tokens, d]`` routed by ``routing``: ``(out
-  [tokens, d] in x's dtype, dropped pairs)``; see the module docstring. ``fused``: jaxfuse's
-  :func:`~jaxfuse.ops.grouped_matmul` and :func:`~jaxfuse.ops.glu`, else
-  :func:`jax.lax.ragged_dot` and the activation in jnp (the unfused baseline)."""
+def _products(rows, sizes, gate_kernel, up_kernel, down_kernel, activation, fused,
+              implementation):
+  """The experts' gated MLP of ``rows`` sorted by expert, ``sizes`` rows per expert."""
   grouped_matmul, glu = (_grouped_matmul, _glu) if fused else (_plain_grouped, _plain_glu)
-  tokens, top_k = routing.experts.shape
-  num_experts = gate_kernel.shape[0]
-  limit = capacity(tokens, top_k, num_experts, capacity_factor)
-  order, sizes, dropped = dispatch(routing.experts, num_experts, limit)
-  order = checkpoint_name(order, names.MOE_ROUTING)
-  rows = checkpoint_name(x[order // top_k], names.MOE_ROUTED)
-  dtype = x.dtype
+  dtype = rows.dtype
   gate = checkpoint_name(grouped_matmul(rows, gate_kernel.astype(dtype), sizes,
                                         implementation=implementation), names.MOE_GATE)
   up = checkpoint_name(grouped_matmul(rows, up_kernel.astype(dtype), sizes,
                                       implementation=implementation), names.MOE_UP)
   hidden = checkpoint_name(glu(gate, up, activation, implementation=implementation),
                            names.MOE_HIDDEN)
-  down = checkpoint_name(grouped_matmul(hidden, down_kernel.astype(dtype), sizes,
+  return checkpoint_name(grouped_matmul(hidden, down_kernel.astype(dtype), sizes,
                                         implementation=implementation), names.MOE_DOWN)
-  # Back in token order (a dropped pair's row is zero), weighted and summed over the k slots.
+
+
+def _combine(down, order, routing, dtype):
+  """The pairs' outputs ``down`` (sorted as ``order``) back in token order (a dropped pair's
+  row is zero), weighted and summed over the k slots."""
+  tokens, top_k = routing.experts.shape
   pairs = down[jnp.argsort(order)].reshape(tokens, top_k, -1)
   out = jnp.sum(pairs.astype(jnp.float32) * routing.weights[..., None], axis=1)
-  return out.astype(dtype), dropped
+  return out.astype(dtype)
+
+
+def experts_mlp(x: jax.Array, routing: Routing, gate_kernel: jax.Array, up_kernel: jax.Array,
+                down_kernel: jax.Array, *, activation: str | Callable = "silu",
+                capacity_factor: float | None = None, fused: bool = True,
+                implementation: str | None = None, axis_name: str | None = None):
+  """The experts' MLP of tokens ``x`` ``[tokens, d]`` routed by ``routing``: ``(out
+  [tokens, d] in x's dtype, dropped pairs)``; see the module docstring. ``fused``: jaxfuse's
+  :func:`~jaxfuse.ops.grouped_matmul` and :func:`~jaxfuse.ops.glu`, else
+  :func:`jax.lax.ragged_dot` and the activation in jnp (the unfused baseline).
+
+  With ``axis_name`` (inside ``jax.shard_map``), the experts are split over that mesh axis
+  (the kernels are this device's ``E / P``) and the pairs travel to them and back by
+  all-to-all (:mod:`jaxfuse.parallel.experts`); a capacity then counts this device's tokens.
+  """
+  tokens, top_k = routing.experts.shape
+  parts = 1 if axis_name is None else jax.lax.axis_size(axis_name)
+  num_experts = gate_kernel.shape[0] * parts
+  limit = capacity(tokens, top_k, num_experts, capacity_factor)
+  order, sizes, dropped = dispatch(routing.experts, num_experts, limit)
+  order = checkpoint_name(order, names.MOE_ROUTING)
+  rows = x[order // top_k]
+  kernels = (gate_kernel, up_kernel, down_kernel, activation, fused, implementation)
+  if axis_name is None:
+    down = _products(checkpoint_name(rows, names.MOE_ROUTED), sizes, *kernels)
+  else:
+    received, local_sizes, plan = expert_parallel.send_to_experts(rows, sizes,
+                                                                  axis_name=axis_name)
+    down = _products(checkpoint_name(received, names.MOE_ROUTED), local_sizes, *kernels)
+    down = expert_parallel.return_from_experts(down, plan, axis_name=axis_name)
+  return _combine(down, order, routing, x.dtype), dropped
 
 
 def moe_mlp(x: jax.Array, router_kernel: jax.Array, gate_kernel: jax.Array,
             up_kernel: jax.Array, down_kernel: jax.Array, *, top_k: int,
             renormalize: bool = True, activation: str | Callable = "silu",
             capacity_factor: float | None = None, mask: jax.Array | None = None,
-            precision=_HIGHEST, fused: bool = True, implementation: str | None = None):
+            precision=_HIGHEST, fused: bool = True, implementation: str | None = None,
+            token_axes: Sequence[str | None] | None = None):
   """A MoE layer of ``x`` ``[..., d]``: ``(out [..., d], stats)``, the statistics of
   :func:`router_stats` (``mask`` ``[...]`` leaves rows out of them, not out of the output).
+
+  Under a mesh whose ``expert`` axis (the logical axis ``"expert"``'s) has more than one
+  device, the layer is expert parallel (:func:`expert_parallel_moe_mlp`).
 
   Args:
     x: the tokens, ``[..., d]``.
@@ -269,7 +300,27 @@ def moe_mlp(x: jax.Array, router_kernel: jax.Array, gate_kernel: jax.Array,
     fused: jaxfuse's grouped products and gated activation, or XLA's (see
       :func:`experts_mlp`).
     implementation: passed to :func:`jaxfuse.ops.grouped_matmul` and :func:`jaxfuse.ops.glu`.
+    token_axes: the logical axes of ``x``'s leading axes on a mesh (default: the residual
+      stream's, ``("batch", "residual_seq")``, for ``[batch, seq, d]``; ``("batch",)`` for
+      ``[tokens, d]``); only expert parallelism reads them.
   """
+  settings = dict(top_k=top_k, renormalize=renormalize, activation=activation,
+                  capacity_factor=capacity_factor, precision=precision, fused=fused,
+                  implementation=implementation)
+  axis_name = expert_parallel.expert_axis(gate_kernel.shape[0])
+  if axis_name is not None:
+    return expert_parallel_moe_mlp(x, router_kernel, gate_kernel, up_kernel, down_kernel,
+                                   mask=mask, axis_name=axis_name, token_axes=token_axes,
+                                   **settings)
+  return _local_moe_mlp(x, router_kernel, gate_kernel, up_kernel, down_kernel, mask=mask,
+                        **settings)
+
+
+def _local_moe_mlp(x, router_kernel, gate_kernel, up_kernel, down_kernel, *, top_k,
+                   renormalize, activation, capacity_factor, mask, precision, fused,
+                   implementation, axis_name=None):
+  """:func:`moe_mlp` on one device, or on this device's tokens and experts inside
+  ``shard_map`` (``axis_name``: the experts' mesh axis)."""
   shape = x.shape
   flat = x.reshape(-1, shape[-1])
   logits = checkpoint_name(jnp.dot(flat, router_kernel.astype(x.dtype), precision=precision),
@@ -279,9 +330,98 @@ def moe_mlp(x: jax.Array, router_kernel: jax.Array, gate_kernel: jax.Array,
                     routing.probs)
   out, dropped = experts_mlp(flat, routing, gate_kernel, up_kernel, down_kernel,
                              activation=activation, capacity_factor=capacity_factor,
-                             fused=fused, implementation=implementation)
+                             fused=fused, implementation=implementation, axis_name=axis_name)
   mask = None if mask is None else mask.reshape(-1)
   return out.reshape(shape), router_stats(logits, routing, mask, dropped)
+
+
+# The logical axes of the kernels (those of jaxfuse.models.axes.PARAM_AXES).
+ROUTER_AXES = ("embed", None)
+EXPERT_IN_AXES = ("expert", "embed", "mlp")     # gate_proj, up_proj [E, d, f]
+EXPERT_OUT_AXES = ("expert", "mlp", "embed")    # down_proj [E, f, d]
+
+
+def _spec_axes(spec) -> tuple[str, ...]:
+  return tuple(a for entry in spec if entry is not None
+               for a in ((entry,) if isinstance(entry, str) else entry))
+
+
+def _gather(w, spec, keep):
+  """``w``'s shard all-gathered over every mesh axis of ``spec`` but ``keep``."""
+  for dim, entry in enumerate(spec):
+    axes = tuple(a for a in ((entry,) if isinstance(entry, str) else entry or ())
+                 if a != keep)
+    if axes:
+      w = jax.lax.all_gather(w, axes, axis=dim, tiled=True)
+  return w
+
+
+def expert_parallel_moe_mlp(x, router_kernel, gate_kernel, up_kernel, down_kernel, *,
+                            axis_name: str, top_k: int, mask=None,
+                            token_axes: Sequence[str | None] | None = None, **settings):
+  """:func:`moe_mlp` with its experts split over the mesh axis ``axis_name``, under the mesh in
+  context: one ``jax.shard_map`` over the whole mesh in which each device routes its own
+  tokens, sends each token-expert pair to the device of its expert by all-to-all
+  (:func:`jaxfuse.parallel.experts.send_to_experts`), computes the grouped products of its
+  ``E / P`` experts, and gets its pairs' outputs back by the reverse all-to-all. The
+  statistics are summed over every mesh axis the tokens are split over (``psum``), so the
+  auxiliary losses are the one device's.
+
+  The tokens must be split over ``axis_name`` (through ``token_axes``: the batch, by
+  :data:`jaxfuse.parallel.RULES`). The kernels arrive split as the rules say; each device
+  gathers its experts' ``d_model`` and ``f`` splits (FSDP and tensor axes, as FSDP gathers a
+  layer's weights: their gradients are reduce-scattered) and the router's. Weights are never
+  gathered over axes the tokens are not split over: those splits are undone on the way in.
+  """
+  mesh = rules._context_mesh()
+  if token_axes is None:
+    token_axes = ("batch", "residual_seq")[:x.ndim - 1] if x.ndim <= 3 else None
+  if token_axes is None or len(token_axes) != x.ndim - 1:
+    raise ValueError(f"moe_mlp: token_axes must name the {x.ndim - 1} leading axes of x "
+                     f"{x.shape} under expert parallelism, got {token_axes}")
+  x_spec = rules.logical_spec((*token_axes, None), mesh, x.shape)
+  split = set(_spec_axes(x_spec))
+  if axis_name not in split:
+    raise ValueError(f"moe_mlp: expert parallelism over {axis_name!r} needs the tokens split "
+                     f"over it (their axes {tuple(token_axes)} of x {x.shape} give {x_spec})")
+
+  def weight_spec(axes, shape):
+    spec = rules.logical_spec(axes, mesh, shape)
+    return jax.P(*(_only(entry, split) for entry in spec))
+
+  specs = (x_spec, weight_spec(ROUTER_AXES, router_kernel.shape),
+           weight_spec(EXPERT_IN_AXES, gate_kernel.shape),
+           weight_spec(EXPERT_IN_AXES, up_kernel.shape),
+           weight_spec(EXPERT_OUT_AXES, down_kernel.shape))
+  if specs[2][0] != axis_name or specs[4][0] != axis_name:
+    raise ValueError(f"moe_mlp: the experts must be split over {axis_name!r} first, the rules "
+                     f"give {specs[2]} and {specs[4]}")
+  args = [x, router_kernel, gate_kernel, up_kernel, down_kernel]
+  if mask is not None:
+    specs += (jax.P(*x_spec[:-1]),)
+    args.append(mask)
+  if mesh.explicit_axes:
+    args = [jax.sharding.reshard(a, s) for a, s in zip(args, specs)]
+  token_mesh_axes = tuple(a for a in mesh.axis_names if a in split)
+
+  def local(x, router, gate, up, down, mask=None):
+    router = _gather(router, specs[1], None)
+    gate, up, down = (_gather(w, s, axis_name) for w, s in zip((gate, up, down), specs[2:5]))
+    out, stats = _local_moe_mlp(x, router, gate, up, down, top_k=top_k, mask=mask,
+                                axis_name=axis_name, **settings)
+    return out, jax.lax.psum(stats, token_mesh_axes)
+
+  with jax.named_scope("jaxfuse.moe_expert_parallel"):
+    return jax.shard_map(local, mesh=mesh, in_specs=specs,
+                         out_specs=(x_spec, jax.P()))(*args)
+
+
+def _only(entry, axes):
+  """A spec entry with only the mesh axes in ``axes``."""
+  if entry is None:
+    return None
+  kept = tuple(a for a in ((entry,) if isinstance(entry, str) else entry) if a in axes)
+  return None if not kept else kept[0] if len(kept) == 1 else kept
 
 
 def moe_mlp_dense(x: jax.Array, router_kernel: jax.Array, gate_kernel: jax.Array,

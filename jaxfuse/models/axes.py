@@ -4,8 +4,9 @@
 :func:`jaxfuse.parallel.annotate`): Megatron's tensor parallelism (q/k/v, gate and up split by
 their outputs, o and down by their inputs, the vocabulary split in the embedding and head) and
 FSDP over ``d_model``. Norm scales are replicated. A MoE layer's stacked expert kernels carry
-an ``expert`` axis first (for expert parallelism; no rule maps it yet: replicated), then the
-axes of a gated MLP's kernels; its router ``[d_model, E]`` is split by ``d_model``. The
+an ``expert`` axis first (split over the ``expert`` mesh axis: expert parallelism, see
+:mod:`jaxfuse.parallel.experts`), then the axes of a gated MLP's kernels; its router
+``[d_model, E]`` is split by ``d_model``. The
 activation axes below are what :func:`jaxfuse.parallel.constrain` is given between the ops;
 :data:`jaxfuse.parallel.RULES` maps both onto the mesh.
 

@@ -1,4 +1,4 @@
-"""The device mesh: four named axes, from a ``data=2,fsdp=2,tensor=2`` string.
+"""The device mesh: five named axes, from a ``data=2,fsdp=2,tensor=2`` string.
 
 The axes, outermost first (the order of :data:`MESH_AXES`; devices of the innermost axis are
 neighbours, so put the most communicating strategy there):
@@ -7,6 +7,9 @@ neighbours, so put the most communicating strategy there):
   communicates once a step.
 - ``fsdp``: the batch, and every parameter and optimizer state sharded (all-gathered layer by
   layer, gradients reduce-scattered).
+- ``expert``: the batch, and a Mixture-of-Experts layer's experts (each device holds
+  ``E / expert`` of them); each token-expert pair travels to its expert's device by an
+  all-to-all and back (:mod:`.experts`).
 - ``context``: the sequence (ring attention passes key/value blocks between neighbours).
 - ``tensor``: heads, MLP width and vocabulary (Megatron), with the sequence of the residual
   stream (sequence parallelism): two collectives per block each way, the most traffic.
@@ -16,7 +19,7 @@ Example:
   >>> parse_mesh("data=2,tensor=4")
   {'data': 2, 'tensor': 4}
   >>> dict(make_mesh({"data": 1}).shape)
-  {'data': 1, 'fsdp': 1, 'context': 1, 'tensor': 1}
+  {'data': 1, 'fsdp': 1, 'expert': 1, 'context': 1, 'tensor': 1}
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from collections.abc import Mapping, Sequence
 import jax
 from jax.sharding import AxisType
 
-MESH_AXES = ("data", "fsdp", "context", "tensor")
+MESH_AXES = ("data", "fsdp", "expert", "context", "tensor")
 
 
 def parse_mesh(text: str) -> dict[str, int]:

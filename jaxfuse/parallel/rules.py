@@ -17,6 +17,9 @@ tensor          ``tensor=8``                                 heads, MLP width, v
                                                              stream over the sequence
                                                              (sequence parallelism)
 context         ``context=8``                                the sequence (ring attention)
+expert          ``expert=8``                                 the batch, and a MoE layer's
+                                                             experts (tokens sent to them by
+                                                             all-to-all)
 ==============  ===========================================  ===============================
 
 and any product of them (``data=2,fsdp=2,tensor=2``). A mesh axis of size 1 splits nothing,
@@ -45,7 +48,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 # (logical axis, mesh axes) pairs, MaxText's form. Names starting with "act_" are activations'.
 RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     # Activations.
-    ("batch", ("data", "fsdp")),
+    ("batch", ("data", "fsdp", "expert")),   # the expert axis holds distinct tokens too
     ("seq", "context"),                        # inside attention and the MLP
     ("residual_seq", ("context", "tensor")),   # the residual stream and norms: sequence parallel
     ("act_embed", None),
@@ -59,6 +62,7 @@ RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
     ("mlp", "tensor"),
+    ("expert", "expert"),                      # a MoE layer's stacked experts [E, ...]
     ("norm", None),
     ("layers", None),
 )

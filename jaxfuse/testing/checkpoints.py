@@ -58,9 +58,9 @@ def write_jsonl(path: str | os.PathLike, records: Iterable[dict]) -> Path:
 def write_tiny_checkpoint(directory: str | os.PathLike, *, family: str = "llama",
                           tokenizer_size: int = 320, chat_template: str | None = CHAT_TEMPLATE,
                           seed: int = 0, **overrides) -> Path:
-  """A random ``family`` (``llama`` or ``qwen3``) model of 2 layers, d_model 32, saved by
-  ``transformers`` in ``directory`` with a byte-level BPE of ``tokenizer_size`` tokens trained on
-  the arithmetic records' text (the model's vocabulary is the tokenizer's length).
+  """A random ``family`` (``llama``, ``qwen3`` or ``mixtral``) model of 2 layers, d_model 32,
+  saved by ``transformers`` in ``directory`` with a byte-level BPE of ``tokenizer_size`` tokens
+  trained on the arithmetic records' text (the model's vocabulary is the tokenizer's length).
   ``overrides`` change the transformers config."""
   import torch
   import transformers
@@ -79,8 +79,12 @@ def write_tiny_checkpoint(directory: str | os.PathLike, *, family: str = "llama"
     config = transformers.LlamaConfig(**{**shape, **overrides})
   elif family == "qwen3":
     config = transformers.Qwen3Config(**{**shape, "head_dim": 8, **overrides})
+  elif family == "mixtral":   # 4 experts of width 32, top 2
+    config = transformers.MixtralConfig(**{**shape, "intermediate_size": 32,
+                                           "num_local_experts": 4, "num_experts_per_tok": 2,
+                                           **overrides})
   else:
-    raise ValueError(f"family must be 'llama' or 'qwen3', got {family!r}")
+    raise ValueError(f"family must be 'llama', 'qwen3' or 'mixtral', got {family!r}")
   torch.manual_seed(seed)
   transformers.AutoModelForCausalLM.from_config(config).save_pretrained(directory)
   return directory

@@ -167,9 +167,9 @@ def processes(cfg: TrainConfig,
 def mesh_shape(cfg: TrainConfig) -> dict[str, int]:
   """The ``--mesh`` axes, checked against the batch's shape."""
   shape = parallel.parse_mesh(cfg.mesh)
-  rows = shape.get("data", 1) * shape.get("fsdp", 1)
+  rows = shape.get("data", 1) * shape.get("fsdp", 1) * shape.get("expert", 1)
   if cfg.batch % rows:
-    raise ValueError(f"--batch {cfg.batch} must be a multiple of data x fsdp = {rows}")
+    raise ValueError(f"--batch {cfg.batch} must be a multiple of data x fsdp x expert = {rows}")
   parts = shape.get("context", 1)
   if parts > 1 and cfg.seq % (2 * parts):
     raise ValueError(f"--seq {cfg.seq} must be a multiple of 2 x context = {2 * parts} (the "

@@ -33,7 +33,8 @@ def test_parse_mesh():
 
 def test_make_mesh_counts_devices():
   mesh = parallel.make_mesh("data=2,tensor=4")
-  assert dict(mesh.shape) == {"data": 2, "fsdp": 1, "context": 1, "tensor": 4}
+  assert dict(mesh.shape) == {"data": 2, "fsdp": 1, "expert": 1, "context": 1,
+                              "tensor": 4}
   with pytest.raises(ValueError, match="needs 4 devices, there are 8"):
     parallel.make_mesh("data=4")
   with pytest.raises(ValueError, match="unknown mesh axes"):

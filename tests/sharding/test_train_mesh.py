@@ -27,7 +27,7 @@ def single(tmp_path_factory):
                                   "fsdp=8"])
 def test_training_on_a_mesh_gives_the_single_device_losses(tmp_path, single, mesh):
   result = _run(tmp_path / "run", "--mesh", mesh)
-  assert result["mesh"] == {"data": 1, "fsdp": 1, "context": 1, "tensor": 1,
+  assert result["mesh"] == {"data": 1, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1,
                             **parallel.parse_mesh(mesh)}
   history = result["history"]
   assert history["step"] == single["step"]
@@ -47,7 +47,8 @@ def test_a_resumed_run_on_a_mesh_continues_exactly(tmp_path):
 
 @pytest.mark.parametrize("extra,message", [
     (["--mesh", "data=4"], "--mesh data=4 needs 4 devices, jax sees 8"),
-    (["--mesh", "data=8", "--batch", "12"], "--batch 12 must be a multiple of data x fsdp = 8"),
+    (["--mesh", "data=8", "--batch", "12"],
+     "--batch 12 must be a multiple of data x fsdp x expert = 8"),
     (["--mesh", "context=8", "--seq", "24"], "--seq 24 must be a multiple of 2 x context = 16"),
     (["--mesh", "model=8"], "--mesh: expected comma-separated AXIS=SIZE"),
     (["--mesh", "context=8", "--baseline"], "--baseline cannot run context parallel"),
