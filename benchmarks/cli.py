@@ -37,6 +37,7 @@ SUITES = {
     "train-cli": "benchmarks.suites.train_cli",
     "remat": "benchmarks.suites.remat",
     "shard": "benchmarks.suites.shard",
+    "moe": "benchmarks.suites.moe",
 }
 # Options that say where tables go, left out of the command a table says it was written by.
 _OUTPUT_OPTIONS = ("--readme", "--headline")

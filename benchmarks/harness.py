@@ -343,8 +343,8 @@ def torch_sync(out):
   return out
 
 
-def in_fresh_process(fn: Callable, ctx: Context, *args):
-  """``fn(ctx, *args)`` in a newly spawned Python process, whose memory goes back to the system
+def in_fresh_process(fn: Callable, ctx: Context, *args, **kwargs):
+  """``fn(ctx, *args, **kwargs)`` in a newly spawned Python process, whose memory goes back to the system
   when it ends: a suite's large cases (compiled programs, torch.compile's graphs, allocator
   pools) then do not add up from one case to the next. ``fn`` and what it returns must pickle."""
   import concurrent.futures
@@ -353,7 +353,7 @@ def in_fresh_process(fn: Callable, ctx: Context, *args):
   child = Context(ctx.suite, ctx.quick, ctx.runs)
   with concurrent.futures.ProcessPoolExecutor(
       1, mp_context=multiprocessing.get_context("spawn")) as pool:
-    return pool.submit(fn, child, *args).result()
+    return pool.submit(fn, child, *args, **kwargs).result()
 
 
 @dataclasses.dataclass

@@ -136,12 +136,14 @@ def test_the_suite_is_registered():
   assert "train" in cli._available()
 
 
-@pytest.mark.parametrize("family", ["gemma2", "qwen3"])
+@pytest.mark.parametrize("family", ["gemma2", "qwen3", "mixtral"])
 def test_family_rows_match_their_float64_hf_twin(family):
   """The families' cases: the same step-0 loss as the family's transformers model (Gemma 2's
-  with eager attention for its soft-cap) in float64, and a falling loss curve."""
+  with eager attention for its soft-cap; Mixtral's experts in a Mixture of Experts) in
+  float64, and the same loss curve."""
   shape = dataclasses.replace(SHAPE, family=family)
   assert shape.name.startswith(f"{family}-like ")
+  assert shape.config().moe == (family == "mixtral")
   rows = _by_impl(train.case_records(FixedTimes(suite="train", runs=1), shape,
                                      impls=("jaxfuse-xla", "torch-eager"), curve_steps=3,
                                      compiler_options=FAST_COMPILE))

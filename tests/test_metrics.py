@@ -144,3 +144,17 @@ def test_compiled_memory_reports_the_temporaries():
   assert stats["argument_bytes"] == 4 * 1024 * 1024
   assert stats["output_bytes"] == 4
   assert stats["temp_bytes"] >= 4 * 1024 * 1024
+
+
+def test_flops_of_grouped_products_count_each_row_once():
+  """A grouped product (``ragged_dot``) is 2·M·K·N: each row times its own group's matrix, in
+  the forward and in both backward products (the per-group weight gradient included)."""
+  x, w = jnp.ones((16, 4)), jnp.ones((2, 4, 3))
+  sizes = jnp.array([10, 6], jnp.int32)
+
+  def product(x, w):
+    return jax.lax.ragged_dot(x, w, sizes)
+
+  assert metrics.flops(product, x, w) == 2 * 16 * 4 * 3
+  step = lambda x, w: jax.vjp(product, x, w)[1](jnp.ones((16, 3)))  # noqa: E731
+  assert metrics.flops(step, x, w) == 3 * 2 * 16 * 4 * 3

@@ -246,6 +246,16 @@ def _grouped_matmul(dtype: str) -> list[Config]:
                      (lhs, rhs, _spec((EXPERTS,), "int32")), n_diff=2)
 
 
+def _grouped_glu(dtype: str) -> list[Config]:
+  """A Mixture-of-Experts first layer: ROWS tokens over EXPERTS experts, SwiGLU of two
+  MODEL -> EXPERT_HIDDEN grouped products."""
+  lhs, w = _spec((ROWS, MODEL), dtype), _spec((EXPERTS, MODEL, EXPERT_HIDDEN), dtype)
+  return _op_configs("grouped_matmul",
+                     f"grouped_glu[silu] {ROWS}x{MODEL}->{EXPERT_HIDDEN} experts={EXPERTS}",
+                     dtype, "grouped_glu", ops.grouped_glu,
+                     (lhs, w, w, _spec((EXPERTS,), "int32")), n_diff=3)
+
+
 def _qk_norm_rope(dtype: str, over: str) -> list[Config]:
   heads, d = 16, 128
   x, half = _spec((ROWS, heads, d), dtype), _spec((ROWS, d // 2), "float32")
@@ -269,6 +279,7 @@ def configs(quick: bool = False) -> list[Config]:
     out += _softmax("bfloat16", 32768, True) + _qk_norm_rope("bfloat16", "head")
     for name in ELEMENTWISE:
       out += _elementwise(name, "bfloat16")
+    out += _grouped_glu("bfloat16")
     return out + _linear("bfloat16") + _cross_entropy("bfloat16") + _grouped_matmul("bfloat16")
   for dtype in DTYPES:
     for d in ATTENTION_HEAD_DIMS:
@@ -285,6 +296,7 @@ def configs(quick: bool = False) -> list[Config]:
     for name in ELEMENTWISE:
       out += _elementwise(name, dtype)
     out += _linear(dtype) + _cross_entropy(dtype) + _grouped_matmul(dtype)
+    out += _grouped_glu(dtype)
   return out
 
 
@@ -302,6 +314,7 @@ def core() -> list[Config]:
   for name in ("add_act", "add_act_unfused", "relu", "bias_act", "glu"):
     out += _elementwise(name, "bfloat16")
   out += [c for c in _elementwise("glu_packed", "bfloat16") if c.kind == "triton"]
+  out += _grouped_glu("bfloat16")
   return out + _linear("bfloat16") + _cross_entropy("bfloat16") + _grouped_matmul("bfloat16")
 
 

@@ -472,7 +472,10 @@ def run(ctx) -> list[Record]:
   for shape in _shapes(ctx):
     # One process a case: a case's compiled programs and allocator pools do not add up with the
     # next one's (the three cases together outgrow a 24 GB machine otherwise).
-    records += harness.in_fresh_process(case_records, ctx, shape)
+    # The families' cases compare with HF eager and the baseline (torch.compile of each family
+    # would hold its compiled graphs beside three more models).
+    impls = IMPLS if shape.family == QUICK.family else CURVE_IMPLS
+    records += harness.in_fresh_process(case_records, ctx, shape, impls=impls)
   return records
 
 

@@ -16,12 +16,14 @@ Qwen3-MoE):
   (not a ``transformers`` option);
 - :func:`moe_mlp`: the experts' MLP. The ``tokens * k`` token-expert pairs are sorted by expert
   (a stable argsort of the flattened top-k expert ids), their rows gathered, and the gate, up
-  and down projections computed as grouped products (:func:`jaxfuse.ops.grouped_matmul`, one
-  matrix per expert over its run of rows) with the gated activation between
-  (:func:`jaxfuse.ops.glu`); the outputs are put back in token order and summed with the
-  routing weights. Dropless by default: every pair is computed. With a capacity factor ``c``
-  each expert takes at most ``ceil(c * tokens * k / E)`` pairs (the earliest tokens first);
-  the others are dropped (they give zeros: the rows past the kept groups) and counted.
+  and down projections computed as grouped products (one matrix per expert over its run of
+  rows) with the gated activation between: the gate and up products and the activation as
+  one op (:func:`jaxfuse.ops.grouped_glu`), the down projection by
+  :func:`jaxfuse.ops.grouped_matmul`; the outputs are put back in token order and summed
+  with the routing weights. Dropless by default: every pair is computed. With a capacity
+  factor ``c`` each expert takes at most ``ceil(c * tokens * k / E)`` pairs (the earliest
+  tokens first); the others are dropped (they give zeros: the rows past the kept groups) and
+  counted.
 
 Expert kernels are stacked ``[E, in, out]`` (``gate``, ``up``: ``[E, d_model, f]``; ``down``:
 ``[E, f, d_model]``), the router ``[d_model, E]``. Every value a recomputation policy may keep
@@ -53,7 +55,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxfuse.ops import activations, names
-from jaxfuse.ops import glu as _glu
+from jaxfuse.ops import grouped_glu as _grouped_glu
 from jaxfuse.ops import grouped_matmul as _grouped_matmul
 from jaxfuse.parallel import experts as expert_parallel
 from jaxfuse.parallel import rules
@@ -222,15 +224,23 @@ def _plain_glu(gate, up, activation, *, implementation=None):
 
 def _products(rows, sizes, gate_kernel, up_kernel, down_kernel, activation, fused,
               implementation):
-  """The experts' gated MLP of ``rows`` sorted by expert, ``sizes`` rows per expert."""
-  grouped_matmul, glu = (_grouped_matmul, _glu) if fused else (_plain_grouped, _plain_glu)
+  """The experts' gated MLP of ``rows`` sorted by expert, ``sizes`` rows per expert. Fused,
+  the gate and up products and the gated activation are one op
+  (:func:`jaxfuse.ops.grouped_glu`), which keeps neither product (its kernels never write
+  them): ``moe.hidden`` is the first value it names; unfused, the two products are named too
+  (``moe.gate``, ``moe.up``)."""
   dtype = rows.dtype
-  gate = checkpoint_name(grouped_matmul(rows, gate_kernel.astype(dtype), sizes,
-                                        implementation=implementation), names.MOE_GATE)
-  up = checkpoint_name(grouped_matmul(rows, up_kernel.astype(dtype), sizes,
-                                      implementation=implementation), names.MOE_UP)
-  hidden = checkpoint_name(glu(gate, up, activation, implementation=implementation),
-                           names.MOE_HIDDEN)
+  if fused:
+    hidden = _grouped_glu(rows, gate_kernel.astype(dtype), up_kernel.astype(dtype), sizes,
+                          activation=activation, implementation=implementation)
+    grouped_matmul = _grouped_matmul
+  else:
+    grouped_matmul = _plain_grouped
+    gate = checkpoint_name(grouped_matmul(rows, gate_kernel.astype(dtype), sizes),
+                           names.MOE_GATE)
+    up = checkpoint_name(grouped_matmul(rows, up_kernel.astype(dtype), sizes), names.MOE_UP)
+    hidden = _plain_glu(gate, up, activation)
+  hidden = checkpoint_name(hidden, names.MOE_HIDDEN)
   return checkpoint_name(grouped_matmul(hidden, down_kernel.astype(dtype), sizes,
                                         implementation=implementation), names.MOE_DOWN)
 
@@ -250,7 +260,7 @@ def experts_mlp(x: jax.Array, routing: Routing, gate_kernel: jax.Array, up_kerne
                 implementation: str | None = None, axis_name: str | None = None):
   """The experts' MLP of tokens ``x`` ``[tokens, d]`` routed by ``routing``: ``(out
   [tokens, d] in x's dtype, dropped pairs)``; see the module docstring. ``fused``: jaxfuse's
-  :func:`~jaxfuse.ops.grouped_matmul` and :func:`~jaxfuse.ops.glu`, else
+  :func:`~jaxfuse.ops.grouped_glu` and :func:`~jaxfuse.ops.grouped_matmul`, else
   :func:`jax.lax.ragged_dot` and the activation in jnp (the unfused baseline).
 
   With ``axis_name`` (inside ``jax.shard_map``), the experts are split over that mesh axis
@@ -293,13 +303,14 @@ def moe_mlp(x: jax.Array, router_kernel: jax.Array, gate_kernel: jax.Array,
     gate_kernel, up_kernel: ``[E, d, f]``; down_kernel: ``[E, f, d]``.
     top_k: experts per token.
     renormalize: the top-k weights divided by their sum.
-    activation: the experts' gated activation, as :func:`jaxfuse.ops.glu` takes it.
+    activation: the experts' gated activation, as :func:`jaxfuse.ops.grouped_glu` takes it.
     capacity_factor: None (dropless) or the factor of :func:`capacity`.
     mask: rows that count in the statistics (None: all).
     precision: the router product's precision.
     fused: jaxfuse's grouped products and gated activation, or XLA's (see
       :func:`experts_mlp`).
-    implementation: passed to :func:`jaxfuse.ops.grouped_matmul` and :func:`jaxfuse.ops.glu`.
+    implementation: passed to :func:`jaxfuse.ops.grouped_glu` and
+      :func:`jaxfuse.ops.grouped_matmul`.
     token_axes: the logical axes of ``x``'s leading axes on a mesh (default: the residual
       stream's, ``("batch", "residual_seq")``, for ``[batch, seq, d]``; ``("batch",)`` for
       ``[tokens, d]``); only expert parallelism reads them.

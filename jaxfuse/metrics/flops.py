@@ -8,7 +8,9 @@ a program has ``while`` loops the count is taken by running an instrumented copy
 given arguments (one execution, under ``jit``); otherwise it is read off the jaxpr and nothing
 runs.
 
-What counts as a FLOP: ``dot_general`` is ``2 · M · N · K``; an elementwise op one per output
+What counts as a FLOP: ``dot_general`` is ``2 · M · N · K``; ``ragged_dot_general`` (grouped
+products) ``2 · M · N · K`` too, each of its ``M`` rows times its own group's matrix (not the
+``G``-fold product XLA:CPU computes for it); an elementwise op one per output
 element (transcendentals included); a reduction one per input element; data movement
 (reshapes, slices, transposes, gathers, casts, copies, device transfers) nothing. A Pallas
 kernel counts what its ``CostEstimate`` declares. Recomputation under ``jax.checkpoint`` is
@@ -64,6 +66,16 @@ def _leaf_flops(eqn) -> int:
     lhs = eqn.invars[0].aval
     k = math.prod(lhs.shape[d] for d in lhs_contract)
     return 2 * _size(eqn.outvars[0].aval) * k
+  if name == "ragged_dot_general":
+    numbers = eqn.params["ragged_dot_dimension_numbers"]
+    (lhs_contract, _), _ = numbers.dot_dimension_numbers
+    lhs = eqn.invars[0].aval
+    k = math.prod(lhs.shape[d] for d in lhs_contract)
+    out = _size(eqn.outvars[0].aval)
+    if set(numbers.lhs_ragged_dimensions) & set(lhs_contract):
+      # Summed over the ragged rows into one output per group: each row adds to its group's.
+      return 2 * out // eqn.invars[2].aval.shape[-1] * k
+    return 2 * out * k
   if name == "pallas_call":
     estimate = eqn.params.get("cost_estimate")
     return int(getattr(estimate, "flops", 0) or 0)

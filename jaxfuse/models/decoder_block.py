@@ -275,7 +275,8 @@ class MoE(nnx.Module):
   ``experts_per_token`` :class:`Experts` (:func:`jaxfuse.blocks.moe.moe_mlp`: tokens sorted by
   expert, grouped products, dropless unless the config has a ``capacity_factor``).
 
-  Fused, the grouped products are :func:`jaxfuse.ops.grouped_matmul` and, while no policy of
+  Fused, the grouped products are :func:`jaxfuse.ops.grouped_glu` (gate, up and the gated
+  activation) and :func:`jaxfuse.ops.grouped_matmul` (down) and, while no policy of
   the model's decides (``recompute="activation"``, set by the model), the backward keeps only
   the router logits, the routing and the rows sent to the experts (``moe.router``,
   ``moe.routing``, ``moe.routed``) and recomputes the experts' products; unfused, they are

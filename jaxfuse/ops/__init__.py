@@ -10,6 +10,7 @@ from jaxfuse.ops.dispatch import (IMPLEMENTATIONS, ImplementationUnavailableErro
 from jaxfuse.ops.elementwise import add_act, add_act_reference, add_act_unfused, relu
 from jaxfuse.ops.flash_attention import attention, attention_reference, dot_product_attention
 from jaxfuse.ops.gated_linear import glu, glu_reference
+from jaxfuse.ops.grouped_glu import grouped_glu, grouped_glu_reference
 from jaxfuse.ops.grouped_matmul import grouped_matmul, grouped_matmul_reference
 from jaxfuse.ops.linear import dense, dense_reference, linear_reference, recompute_linear
 from jaxfuse.ops.lora import lora_dense, lora_dense_reference
@@ -42,6 +43,8 @@ __all__ = [
     "dot_product_attention",
     "glu",
     "glu_reference",
+    "grouped_glu",
+    "grouped_glu_reference",
     "grouped_matmul",
     "grouped_matmul_reference",
     "layer_norm",

@@ -102,12 +102,18 @@ def _check(op, lhs, rhs, group_sizes):
   checks.rank(op, "rhs", rhs, 3)
   checks.dim(op, "rhs", rhs, 1, lhs.shape[1], "rhs is [groups, K, N]: lhs is [M, K]")
   checks.same_dtype(op, ("lhs", "rhs"), (lhs, rhs))
+  _check_sizes(op, lhs, rhs.shape[0], group_sizes)
+
+
+def _check_sizes(op, lhs, groups, group_sizes, weights="rhs"):
+  """The checks of ``group_sizes`` (``[groups]`` integers, non-negative, summing to at most
+  the rows of ``lhs``; the values when they are known while tracing)."""
   dtype = getattr(group_sizes, "dtype", None)
   if dtype is None or not jnp.issubdtype(dtype, jnp.integer):
     got = jnp.dtype(dtype).name if dtype is not None else type(group_sizes).__name__
     raise TypeError(f"{op}: group_sizes must be an integer array (int32), got {got}")
   checks.rank(op, "group_sizes", group_sizes, 1)
-  checks.dim(op, "group_sizes", group_sizes, 0, rhs.shape[0], "one size per group of rhs")
+  checks.dim(op, "group_sizes", group_sizes, 0, groups, f"one size per group of {weights}")
   sizes = _concrete(group_sizes)
   if sizes is None:
     return
@@ -195,16 +201,17 @@ def _tile_plan(group_sizes, rows):
   return min(_CPU_TILE_ROWS, rows), starts, ends
 
 
-def _tiled_product(lhs, rhs, group_sizes, precision, *, transpose_rhs=False):
+def _tiled_product(lhs, rhs, group_sizes, precision, *, transpose_rhs=False, out_dtype=None):
   """``out[rows of e] = lhs[rows of e] @ rhs[e]`` (``rhs[e]^T``, ``rhs`` ``[G, N, K]``, with
-  ``transpose_rhs``), zeros past the groups, in lhs's dtype: a loop over the groups, each a loop
-  over its rows in tiles of ``T`` rows from its first row (a tile that would pass the last row
-  ends there instead; rows of other groups keep what they hold). At most ``M / T + G`` products
-  of ``[T, K] @ [K, N]``, each ``rhs[e]`` read once."""
+  ``transpose_rhs``), zeros past the groups, in ``out_dtype`` (default lhs's): a loop over
+  the groups, each a loop over its rows in tiles of ``T`` rows from its first row (a tile that
+  would pass the last row ends there instead; rows of other groups keep what they hold). At
+  most ``M / T + G`` products of ``[T, K] @ [K, N]``, each ``rhs[e]`` read once."""
   rows, size_k = lhs.shape
   size_n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
   # Inside shard_map the loop carries vary over the mesh axes the operands vary over.
-  out = partitioning.vary_like(jnp.zeros((rows, size_n), lhs.dtype), lhs, rhs, group_sizes)
+  out = partitioning.vary_like(jnp.zeros((rows, size_n), out_dtype or lhs.dtype), lhs, rhs,
+                              group_sizes)
   if 0 in (rows, size_k, size_n):
     return out
   tile, starts, ends = _tile_plan(group_sizes, rows)

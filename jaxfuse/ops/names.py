@@ -29,11 +29,16 @@ name             value                                                 tagged by
 ``moe.router``   a MoE layer's router logits ``[tokens, experts]``     :mod:`jaxfuse.blocks.moe`
 ``moe.routing``  its top-k weights and the token-expert pairs' order   :mod:`jaxfuse.blocks.moe`
 ``moe.routed``   the rows sent to the experts, sorted by expert        :mod:`jaxfuse.blocks.moe`
-``moe.gate``     the experts' gate projections (grouped)               :mod:`jaxfuse.blocks.moe`
-``moe.up``       the experts' up projections (grouped)                 :mod:`jaxfuse.blocks.moe`
+``moe.gate``     the experts' gate projections (grouped; unfused)      :mod:`jaxfuse.blocks.moe`
+``moe.up``       the experts' up projections (grouped; unfused)        :mod:`jaxfuse.blocks.moe`
 ``moe.hidden``   the experts' hidden activations                       :mod:`jaxfuse.blocks.moe`
 ``moe.down``     the experts' outputs, before they are combined        :mod:`jaxfuse.blocks.moe`
 ===============  ====================================================  ==========================
+
+The fused MoE layer computes the experts' gate and up projections and their gated activation
+as one op (:func:`~jaxfuse.ops.grouped_glu`), which keeps only its inputs: ``moe.gate`` and
+``moe.up`` are values of the unfused layer only, and a policy that keeps them keeps nothing
+more in the fused one (keep ``moe.hidden`` or ``moe.routed`` there).
 
 Example:
   >>> from jaxfuse.ops import names

@@ -1,0 +1,155 @@
+"""Triton grouped gated linear unit kernels for Mixture-of-Experts, called from JAX through
+jax-triton: the same functions as :mod:`jaxfuse.kernels.pallas.grouped_glu`, on the grouped
+matmul's visits (:func:`jaxfuse.kernels.pallas.grouped_matmul.group_metadata`).
+
+- :func:`grouped_glu_fwd_kernel`: ``out[rows of e] = act(lhs_e @ gate[e]) * (lhs_e @ up[e])``;
+  one program per (visit, ``BLOCK_N`` column tile) accumulates both products over one K loop
+  (each ``lhs`` tile loaded once for both) and writes the gated unit, not the products.
+- :func:`grouped_glu_dproducts_kernel`: the same products recomputed, and the epilogue writes
+  their gradients for the output gradient ``g``: ``g * up_e * act'(gate_e)`` and
+  ``g * act(gate_e)`` (zeros past the groups).
+
+``d lhs``, ``d gate`` and ``d up`` are then the grouped matmul's kernels
+(:mod:`jaxfuse.kernels.triton.grouped_matmul`). Accumulation is float32; float32 operands
+multiply in full precision (``input_precision="ieee"``), bfloat16 and float16 on the tensor
+cores. The kernels also run under Triton's interpreter in tests.
+"""
+
+from __future__ import annotations
+
+import math
+
+import triton
+import triton.language as tl
+
+from .elementwise import ACTIVATIONS, activation, activation_grad, refuses  # noqa: F401
+from .grouped_matmul import BLOCKS, NUM_STAGES, NUM_WARPS, _ieee, blocks_for, gmm, tgmm
+
+
+@triton.jit
+def _products(meta_ptr, lhs_ptr, gate_ptr, up_ptr, ROWS: tl.constexpr, SIZE_K: tl.constexpr,
+              SIZE_N: tl.constexpr, VISITS: tl.constexpr, IEEE: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+  """This program's visit: ``(lhs @ gate[e], lhs @ up[e])`` of its tile in float32, its output
+  offsets, the rows it reads and the mask of what it writes."""
+  v = tl.program_id(0)
+  tile = tl.load(meta_ptr + v)
+  group = tl.load(meta_ptr + VISITS + v)
+  lo = tl.load(meta_ptr + 2 * VISITS + v)
+  hi = tl.load(meta_ptr + 3 * VISITS + v)
+  read_hi = tl.load(meta_ptr + 4 * VISITS + v)
+  rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+  cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+  read = (rows >= lo) & (rows < read_hi) & (rows < ROWS)
+  write = (rows >= lo) & (rows < hi) & (rows < ROWS)
+  cols_ok = cols < SIZE_N
+  base = group.to(tl.int64) * SIZE_K * SIZE_N
+  acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+  acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+  # The pseudo-group's visits (rows past the groups) run no K step: zeros, and act(0) * 0 = 0.
+  steps = tl.where(read_hi > lo, (SIZE_K + BLOCK_K - 1) // BLOCK_K, 0)
+  for step in range(steps):
+    ks = step * BLOCK_K + tl.arange(0, BLOCK_K)
+    k_ok = ks < SIZE_K
+    a = tl.load(lhs_ptr + rows[:, None].to(tl.int64) * SIZE_K + ks[None, :],
+                mask=read[:, None] & k_ok[None, :], other=0.0)
+    offsets = base + ks[:, None].to(tl.int64) * SIZE_N + cols[None, :]
+    w_mask = k_ok[:, None] & cols_ok[None, :]
+    b_gate = tl.load(gate_ptr + offsets, mask=w_mask, other=0.0)
+    b_up = tl.load(up_ptr + offsets, mask=w_mask, other=0.0)
+    if IEEE:
+      acc_gate = tl.dot(a, b_gate, acc_gate, input_precision="ieee")
+      acc_up = tl.dot(a, b_up, acc_up, input_precision="ieee")
+    else:
+      acc_gate = tl.dot(a, b_gate, acc_gate)
+      acc_up = tl.dot(a, b_up, acc_up)
+  out = rows[:, None].to(tl.int64) * SIZE_N + cols[None, :]
+  return acc_gate, acc_up, out, read, write[:, None] & cols_ok[None, :]
+
+
+@triton.jit
+def grouped_glu_fwd_kernel(meta_ptr, lhs_ptr, gate_ptr, up_ptr, out_ptr, ROWS: tl.constexpr,
+                           SIZE_K: tl.constexpr, SIZE_N: tl.constexpr, VISITS: tl.constexpr,
+                           IEEE: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+  """``act(lhs_e @ gate[e]) * (lhs_e @ up[e])`` of one visit and column tile; ``meta_ptr``:
+  int32 ``[5, VISITS]`` (see ``group_metadata``)."""
+  h_gate, h_up, out, _, mask = _products(meta_ptr, lhs_ptr, gate_ptr, up_ptr, ROWS, SIZE_K,
+                                         SIZE_N, VISITS, IEEE, BLOCK_M, BLOCK_K, BLOCK_N)
+  y = activation(h_gate, ACT) * h_up
+  tl.store(out_ptr + out, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def grouped_glu_dproducts_kernel(meta_ptr, lhs_ptr, gate_ptr, up_ptr, g_ptr, d_gate_ptr,
+                                 d_up_ptr, ROWS: tl.constexpr, SIZE_K: tl.constexpr,
+                                 SIZE_N: tl.constexpr, VISITS: tl.constexpr, IEEE: tl.constexpr,
+                                 ACT: tl.constexpr, BLOCK_M: tl.constexpr,
+                                 BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+  """The products' gradients of one visit and column tile: ``g * up_e * act'(gate_e)`` and
+  ``g * act(gate_e)``, the products recomputed; zeros past the groups."""
+  h_gate, h_up, out, read, mask = _products(meta_ptr, lhs_ptr, gate_ptr, up_ptr, ROWS, SIZE_K,
+                                            SIZE_N, VISITS, IEEE, BLOCK_M, BLOCK_K, BLOCK_N)
+  g = tl.load(g_ptr + out, mask=mask, other=0.0).to(tl.float32)
+  g = tl.where(read[:, None], g, 0.0)
+  tl.store(d_gate_ptr + out, (g * h_up * activation_grad(h_gate, ACT)).to(
+      d_gate_ptr.dtype.element_ty), mask=mask)
+  tl.store(d_up_ptr + out, (g * activation(h_gate, ACT)).to(d_up_ptr.dtype.element_ty),
+           mask=mask)
+
+
+def _launch(kernel, lhs, gate, up, group_sizes, extra, n_out, activation: str, blocks):
+  import jax
+  import jax.numpy as jnp
+
+  from ..pallas.grouped_matmul import group_metadata
+
+  rows, size_k = lhs.shape
+  groups, _, size_n = gate.shape
+  out = jax.ShapeDtypeStruct((rows, size_n), lhs.dtype)
+  if 0 in (rows, size_k, size_n, groups):
+    zeros = jnp.zeros((rows, size_n), lhs.dtype)
+    return zeros if n_out == 1 else (zeros,) * n_out
+  block_m, block_k, block_n = blocks_for(rows, size_k, size_n, blocks)
+  meta = group_metadata(group_sizes, rows, block_m)
+  import jax_triton  # after the checks: without a GPU it raises ImportError
+
+  result = jax_triton.triton_call(
+      meta, lhs, gate, up, *extra, kernel=kernel,
+      out_shape=out if n_out == 1 else [out] * n_out,
+      grid=(meta.shape[1], math.ceil(size_n / block_n)), num_warps=NUM_WARPS,
+      num_stages=NUM_STAGES, ROWS=rows, SIZE_K=size_k, SIZE_N=size_n, VISITS=meta.shape[1],
+      IEEE=_ieee(lhs, gate, up), ACT=activation, BLOCK_M=block_m, BLOCK_K=block_k,
+      BLOCK_N=block_n)
+  return result if n_out == 1 else tuple(result)
+
+
+def grouped_glu_forward(lhs, gate, up, group_sizes, *, activation: str,
+                        blocks: tuple[int, int, int] = BLOCKS):
+  """``[M, N]``: ``act(lhs_e @ gate[e]) * (lhs_e @ up[e])`` for each group's rows, zeros past
+  the groups (GPU)."""
+  return _launch(grouped_glu_fwd_kernel, lhs, gate, up, group_sizes, (), 1, activation, blocks)
+
+
+def grouped_glu_dproducts(lhs, gate, up, group_sizes, g, *, activation: str,
+                          blocks: tuple[int, int, int] = BLOCKS):
+  """The two products' gradients for the output gradient ``g``, the products recomputed
+  (GPU)."""
+  return _launch(grouped_glu_dproducts_kernel, lhs, gate, up, group_sizes, (g,), 2, activation,
+                 blocks)
+
+
+def grouped_glu_backward(lhs, gate, up, group_sizes, g, *, activation: str):
+  """``(d lhs, d gate, d up)`` of :func:`grouped_glu_forward` for the output gradient ``g``:
+  :func:`grouped_glu_dproducts_kernel`, two launches of the grouped matmul's ``gmm_kernel``
+  reading the weights transposed (float32, summed by XLA and rounded once) and two of its
+  ``tgmm_kernel``."""
+  import jax.numpy as jnp
+
+  d_gate_out, d_up_out = grouped_glu_dproducts(lhs, gate, up, group_sizes, g,
+                                               activation=activation)
+  dlhs = sum(gmm(d, w, group_sizes, transpose_rhs=True, out_dtype=jnp.float32)
+             for d, w in ((d_gate_out, gate), (d_up_out, up)))
+  d_gate = tgmm(lhs, d_gate_out, group_sizes, out_dtype=gate.dtype)
+  d_up = tgmm(lhs, d_up_out, group_sizes, out_dtype=up.dtype)
+  return dlhs.astype(lhs.dtype), d_gate, d_up
