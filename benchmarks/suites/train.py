@@ -484,6 +484,16 @@ def headline(records) -> list[Record]:
   return [r for r in records if r.case in {QUICK.name, *(s.name for s in FAMILIES)}]
 
 
+# One hatch a case in the bar panels (the colour is the row's).
+HATCHES = ("", "//", "..", "xx", "\\\\", "++")
+
+
+def _case_label(case: str) -> str:
+  """``decoder seq=1024``, ``gemma2-like seq=1024``: the family and sequence of a case."""
+  words = case.split(" ")
+  return f"{words[0]} {words[-1]}"
+
+
 def plot(records: Sequence[Record], path: str) -> None:
   """Left: the loss curves of the rows that train over the same batches (the quick case, or
   the first with curves). Right: median step time and residual bytes per impl and case."""
@@ -538,8 +548,8 @@ def plot(records: Sequence[Record], path: str) -> None:
         else:
           values.append(r.residual_bytes / 2**20 if r.residual_bytes else math.nan)
       xs = np.arange(len(impls)) + (k - (len(cases) - 1) / 2) * width
-      bar_ax.bar(xs, values, width, color=[colors[i] for i in impls],
-                 alpha=1.0 if k == 0 else 0.55, label=case.split(" ")[-1])
+      bar_ax.bar(xs, values, width, color=[colors[i] for i in impls], edgecolor="white",
+                 hatch=HATCHES[k % len(HATCHES)], alpha=1.0 if k == 0 else 0.7)
       for x, value in zip(xs, values):
         if math.isnan(value):  # at the foot of the axes, which a log scale has no 0 for
           bar_ax.annotate("n/a", (x, 0.02), xycoords=("data", "axes fraction"), ha="center",
@@ -557,7 +567,10 @@ def plot(records: Sequence[Record], path: str) -> None:
     bar_ax.set_ylabel(label, fontsize=9)
     bar_ax.margins(y=0.15)
     if len(cases) > 1:
-      bar_ax.legend(fontsize=8)
+      from matplotlib.patches import Patch
+      bar_ax.legend(handles=[Patch(facecolor="lightgray", edgecolor="dimgray",
+                                   hatch=HATCHES[k % len(HATCHES)], label=_case_label(case))
+                             for k, case in enumerate(cases)], fontsize=7)
   platform = records[0].platform if records else "?"
   fig.suptitle(f"train: one step (forward, backward, AdamW) on {platform}, float32")
   fig.savefig(path, dpi=120, bbox_inches="tight")
