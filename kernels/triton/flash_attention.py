@@ -48,16 +48,9 @@ import triton
 import triton.language as tl
 
 from .. import limits
-from .attention_tiles import (_bias_base, _id_range, _key_tiles, _kv_limit_and_offset, _load_bias,
+from .attention_tiles import (_BIG, _INF, _LOG2E, _NEG_INF, CAUSAL_ALIGNMENTS, LOG2E,  # noqa: F401
+                              _bias_base, _id_range, _key_tiles, _kv_limit_and_offset, _load_bias,
                               _load_rows, _load_vec, _meets, _query_tiles, _scores, _store_rows)
-
-LOG2E = 1.4426950408889634
-CAUSAL_ALIGNMENTS = ("none", "top_left", "bottom_right")
-
-_LOG2E = tl.constexpr(LOG2E)
-_NEG_INF = tl.constexpr(float("-inf"))
-_INF = tl.constexpr(float("inf"))
-_BIG = tl.constexpr(2**30)
 
 
 # Forward ---------------------------------------------------------------------------------------
