@@ -12,11 +12,10 @@ gate, up, down) under a random output cotangent: one jit-compiled ``jax.vjp``, o
 autograd step. Rows:
 
 - ``jaxfuse-<implementation>``: :class:`jaxfuse.models.decoder_block.MoE` as the decoder runs
-  it (``fused=True``: tokens sorted by expert, :func:`jaxfuse.ops.grouped_glu` for the gate and
-  up products with the activation, :func:`jaxfuse.ops.grouped_matmul` for the down product; the
-  backward keeps the router
-  logits, the routing and the routed rows and recomputes the experts' products), one row per
-  implementation of ``grouped_matmul`` that compiles here (its registry entry; on CPU, XLA).
+  it (``fused=True``: tokens sorted by expert, the experts' MLP as one op,
+  :func:`jaxfuse.ops.grouped_mlp`; the backward keeps the router logits, the routing, the
+  routed rows and the experts' outputs and recomputes the gate and up products once), one row
+  per implementation of ``grouped_mlp`` that compiles here (its registry entry; on CPU, XLA).
 - ``jax-ragged_dot``: the same block in plain JAX, written out: the top-k routing, a stable
   sort of the token-expert pairs by expert, :func:`jax.lax.ragged_dot` for gate and up, SiLU
   times up, ``ragged_dot`` for down, the pairs put back in token order and summed with their
@@ -199,7 +198,7 @@ def jax_rows(ctx, shape: Shape) -> dict[str, Callable]:
   """jaxfuse's rows (each implementation of ``grouped_matmul`` that compiles here), then the
   plain-JAX ragged_dot and dense rows."""
   rows = harness.jaxfuse_rows(
-      "grouped_matmul", lambda implementation: jaxfuse_block(shape,
+      "grouped_mlp", lambda implementation: jaxfuse_block(shape,
                                                              implementation=implementation),
       keep=ctx.native)
   rows = {name: make() for name, make in rows.items()}

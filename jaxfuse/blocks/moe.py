@@ -17,9 +17,9 @@ Qwen3-MoE):
 - :func:`moe_mlp`: the experts' MLP. The ``tokens * k`` token-expert pairs are sorted by expert
   (a stable argsort of the flattened top-k expert ids), their rows gathered, and the gate, up
   and down projections computed as grouped products (one matrix per expert over its run of
-  rows) with the gated activation between: the gate and up products and the activation as
-  one op (:func:`jaxfuse.ops.grouped_glu`), the down projection by
-  :func:`jaxfuse.ops.grouped_matmul`; the outputs are put back in token order and summed
+  rows) with the gated activation between, as one op (:func:`jaxfuse.ops.grouped_mlp`: its
+  kernels fuse the activation into the gate and up products); the outputs are put back in
+  token order and summed
   with the routing weights. Dropless by default: every pair is computed. With a capacity
   factor ``c`` each expert takes at most ``ceil(c * tokens * k / E)`` pairs (the earliest
   tokens first); the others are dropped (they give zeros: the rows past the kept groups) and
@@ -55,8 +55,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxfuse.ops import activations, names
-from jaxfuse.ops import grouped_glu as _grouped_glu
-from jaxfuse.ops import grouped_matmul as _grouped_matmul
+from jaxfuse.ops import grouped_mlp as _grouped_mlp
 from jaxfuse.parallel import experts as expert_parallel
 from jaxfuse.parallel import rules
 
@@ -210,39 +209,35 @@ def dispatch(experts: jax.Array, num_experts: int, limit: int | None = None):
   return order, kept_sizes, flat.shape[0] - jnp.sum(kept_sizes)
 
 
-def _plain_grouped(lhs, rhs, group_sizes, *, implementation=None):
-  del implementation
+def _plain_grouped(lhs, rhs, group_sizes):
   precision = _HIGHEST if lhs.dtype == jnp.float32 else None
   return jax.lax.ragged_dot(lhs, rhs, group_sizes, precision=precision)
 
 
-def _plain_glu(gate, up, activation, *, implementation=None):
-  del implementation
+def _plain_glu(gate, up, activation):
   act = activations.get(activation) if isinstance(activation, str) else activation
   return act(gate) * up
 
 
 def _products(rows, sizes, gate_kernel, up_kernel, down_kernel, activation, fused,
               implementation):
-  """The experts' gated MLP of ``rows`` sorted by expert, ``sizes`` rows per expert. Fused,
-  the gate and up products and the gated activation are one op
-  (:func:`jaxfuse.ops.grouped_glu`), which keeps neither product (its kernels never write
-  them): ``moe.hidden`` is the first value it names; unfused, the two products are named too
-  (``moe.gate``, ``moe.up``)."""
+  """The experts' gated MLP of ``rows`` sorted by expert, ``sizes`` rows per expert. Fused, one
+  op (:func:`jaxfuse.ops.grouped_mlp`: one backward for the three products, which recomputes
+  only the gate and up products where a policy keeps neither ``moe.gate`` nor ``moe.up``);
+  unfused, :func:`jax.lax.ragged_dot` and the activation in jnp, every value named
+  (``moe.gate``, ``moe.up``, ``moe.hidden``)."""
   dtype = rows.dtype
+  gate_kernel, up_kernel, down_kernel = (w.astype(dtype)
+                                         for w in (gate_kernel, up_kernel, down_kernel))
   if fused:
-    hidden = _grouped_glu(rows, gate_kernel.astype(dtype), up_kernel.astype(dtype), sizes,
-                          activation=activation, implementation=implementation)
-    grouped_matmul = _grouped_matmul
+    down = _grouped_mlp(rows, gate_kernel, up_kernel, down_kernel, sizes, activation=activation,
+                        implementation=implementation)
   else:
-    grouped_matmul = _plain_grouped
-    gate = checkpoint_name(grouped_matmul(rows, gate_kernel.astype(dtype), sizes),
-                           names.MOE_GATE)
-    up = checkpoint_name(grouped_matmul(rows, up_kernel.astype(dtype), sizes), names.MOE_UP)
-    hidden = _plain_glu(gate, up, activation)
-  hidden = checkpoint_name(hidden, names.MOE_HIDDEN)
-  return checkpoint_name(grouped_matmul(hidden, down_kernel.astype(dtype), sizes,
-                                        implementation=implementation), names.MOE_DOWN)
+    gate = checkpoint_name(_plain_grouped(rows, gate_kernel, sizes), names.MOE_GATE)
+    up = checkpoint_name(_plain_grouped(rows, up_kernel, sizes), names.MOE_UP)
+    hidden = checkpoint_name(_plain_glu(gate, up, activation), names.MOE_HIDDEN)
+    down = _plain_grouped(hidden, down_kernel, sizes)
+  return checkpoint_name(down, names.MOE_DOWN)
 
 
 def _combine(down, order, routing, dtype):
@@ -260,7 +255,7 @@ def experts_mlp(x: jax.Array, routing: Routing, gate_kernel: jax.Array, up_kerne
                 implementation: str | None = None, axis_name: str | None = None):
   """The experts' MLP of tokens ``x`` ``[tokens, d]`` routed by ``routing``: ``(out
   [tokens, d] in x's dtype, dropped pairs)``; see the module docstring. ``fused``: jaxfuse's
-  :func:`~jaxfuse.ops.grouped_glu` and :func:`~jaxfuse.ops.grouped_matmul`, else
+  :func:`~jaxfuse.ops.grouped_mlp`, else
   :func:`jax.lax.ragged_dot` and the activation in jnp (the unfused baseline).
 
   With ``axis_name`` (inside ``jax.shard_map``), the experts are split over that mesh axis
@@ -309,8 +304,7 @@ def moe_mlp(x: jax.Array, router_kernel: jax.Array, gate_kernel: jax.Array,
     precision: the router product's precision.
     fused: jaxfuse's grouped products and gated activation, or XLA's (see
       :func:`experts_mlp`).
-    implementation: passed to :func:`jaxfuse.ops.grouped_glu` and
-      :func:`jaxfuse.ops.grouped_matmul`.
+    implementation: passed to :func:`jaxfuse.ops.grouped_mlp`.
     token_axes: the logical axes of ``x``'s leading axes on a mesh (default: the residual
       stream's, ``("batch", "residual_seq")``, for ``[batch, seq, d]``; ``("batch",)`` for
       ``[tokens, d]``); only expert parallelism reads them.

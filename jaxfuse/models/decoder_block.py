@@ -275,16 +275,17 @@ class MoE(nnx.Module):
   ``experts_per_token`` :class:`Experts` (:func:`jaxfuse.blocks.moe.moe_mlp`: tokens sorted by
   expert, grouped products, dropless unless the config has a ``capacity_factor``).
 
-  Fused, the grouped products are :func:`jaxfuse.ops.grouped_glu` (gate, up and the gated
-  activation) and :func:`jaxfuse.ops.grouped_matmul` (down) and, while no policy of
+  Fused, the experts' MLP is one op (:func:`jaxfuse.ops.grouped_mlp`) and, while no policy of
   the model's decides (``recompute="activation"``, set by the model), the backward keeps only
-  the router logits, the routing and the rows sent to the experts (``moe.router``,
-  ``moe.routing``, ``moe.routed``) and recomputes the experts' products; unfused, they are
+  the router logits, the routing, the rows sent to the experts and the rows they send back
+  (``moe.router``, ``moe.routing``, ``moe.routed``, ``moe.down``: the routing weights'
+  gradient reads the last, which would otherwise cost the experts' whole forward again) and
+  recomputes the experts' gate and up products once; unfused, they are
   :func:`jax.lax.ragged_dot` and nothing is recomputed.
   """
 
   # What recompute="activation" keeps.
-  KEEPS = (names.MOE_ROUTER, names.MOE_ROUTING, names.MOE_ROUTED)
+  KEEPS = (names.MOE_ROUTER, names.MOE_ROUTING, names.MOE_ROUTED, names.MOE_DOWN)
 
   def __init__(self, cfg: DecoderConfig, *, fused: bool, implementation: str | None,
                rngs: nnx.Rngs):

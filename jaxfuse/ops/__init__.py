@@ -12,6 +12,7 @@ from jaxfuse.ops.flash_attention import attention, attention_reference, dot_prod
 from jaxfuse.ops.gated_linear import glu, glu_reference
 from jaxfuse.ops.grouped_glu import grouped_glu, grouped_glu_reference
 from jaxfuse.ops.grouped_matmul import grouped_matmul, grouped_matmul_reference
+from jaxfuse.ops.grouped_mlp import grouped_mlp, grouped_mlp_reference
 from jaxfuse.ops.linear import dense, dense_reference, linear_reference, recompute_linear
 from jaxfuse.ops.lora import lora_dense, lora_dense_reference
 from jaxfuse.ops.normalization import (add_layer_norm, add_layer_norm_reference, add_rms_norm,
@@ -47,6 +48,8 @@ __all__ = [
     "grouped_glu_reference",
     "grouped_matmul",
     "grouped_matmul_reference",
+    "grouped_mlp",
+    "grouped_mlp_reference",
     "layer_norm",
     "layer_norm_reference",
     "linear_cross_entropy",

@@ -145,8 +145,7 @@ def _products(lhs, gate, up, group_sizes, precision, tiled):
   """``(lhs_e @ gate[e], lhs_e @ up[e])`` in float32: the grouped matmul's row-tile loop on
   CPUs (``tiled``), XLA's ragged products elsewhere."""
   if tiled:
-    return tuple(gmm._tiled_product(lhs, w, group_sizes, precision, out_dtype=jnp.float32)
-                 for w in (gate, up))
+    return gmm._tiled_product(lhs, (gate, up), group_sizes, precision, out_dtype=jnp.float32)
   return tuple(jax.lax.ragged_dot(lhs, w, group_sizes,
                                   precision=gmm._precision(lhs.dtype, precision),
                                   preferred_element_type=jnp.float32,
@@ -159,11 +158,12 @@ def _xla_forward(lhs, gate, up, group_sizes, activation, precision=None, tiled=F
   return (activation_grads.value(activation, gate_out) * up_out).astype(lhs.dtype)
 
 
-def _xla_backward(lhs, gate, up, group_sizes, g, activation, precision=None, tiled=False):
-  """``(d lhs, d gate, d up)``: the products recomputed, their gradients elementwise, then the
-  grouped matmul's backward products (its row-tile loops with ``tiled``, else XLA's ragged
-  products, which never transpose a weight in memory)."""
-  gate_out, up_out = _products(lhs, gate, up, group_sizes, precision, tiled)
+def _xla_backward(lhs, gate, up, group_sizes, g, activation, precision=None, tiled=False,
+                  products=None):
+  """``(d lhs, d gate, d up)``: the products recomputed (or given, float32, as ``products``),
+  their gradients elementwise, then the grouped matmul's backward products (its row-tile loops
+  with ``tiled``, else XLA's ragged products, which never transpose a weight in memory)."""
+  gate_out, up_out = products or _products(lhs, gate, up, group_sizes, precision, tiled)
   act, grad = activation_grads.value_and_grad(activation, gate_out)
   g32 = g.astype(jnp.float32)
   d_gate_out = (g32 * up_out * grad).astype(lhs.dtype)
@@ -172,7 +172,7 @@ def _xla_backward(lhs, gate, up, group_sizes, g, activation, precision=None, til
   if tiled:
     dlhs = sum(gmm._tiled_product(d, w, group_sizes, precision, transpose_rhs=True,
                                   out_dtype=jnp.float32) for d, w in pairs)
-    d_gate, d_up = (gmm._tiled_rows_product(lhs, d, group_sizes, precision) for d, _ in pairs)
+    d_gate, d_up = gmm._tiled_rows_product(lhs, (d_gate_out, d_up_out), group_sizes, precision)
   else:
     dlhs = sum(jax.lax.ragged_dot_general(d, w, group_sizes, gmm._LHS_GRAD_DIMS,
                                           precision=gmm._precision(d.dtype, precision),

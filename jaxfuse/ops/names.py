@@ -31,14 +31,15 @@ name             value                                                 tagged by
 ``moe.routed``   the rows sent to the experts, sorted by expert        :mod:`jaxfuse.blocks.moe`
 ``moe.gate``     the experts' gate projections (grouped; unfused)      :mod:`jaxfuse.blocks.moe`
 ``moe.up``       the experts' up projections (grouped; unfused)        :mod:`jaxfuse.blocks.moe`
-``moe.hidden``   the experts' hidden activations                       :mod:`jaxfuse.blocks.moe`
+``moe.hidden``   the experts' hidden activations (unfused)             :mod:`jaxfuse.blocks.moe`
 ``moe.down``     the experts' outputs, before they are combined        :mod:`jaxfuse.blocks.moe`
 ===============  ====================================================  ==========================
 
-The fused MoE layer computes the experts' gate and up projections and their gated activation
-as one op (:func:`~jaxfuse.ops.grouped_glu`), which keeps only its inputs: ``moe.gate`` and
-``moe.up`` are values of the unfused layer only, and a policy that keeps them keeps nothing
-more in the fused one (keep ``moe.hidden`` or ``moe.routed`` there).
+The fused MoE layer computes the experts' whole MLP as one op
+(:func:`~jaxfuse.ops.grouped_mlp`), which keeps only its inputs and recomputes the gate and up
+projections once in its backward: ``moe.gate``, ``moe.up`` and ``moe.hidden`` are values of the
+unfused layer only, and a policy that keeps them keeps nothing more in the fused one (keep
+``moe.routed`` or ``moe.down`` there).
 
 Example:
   >>> from jaxfuse.ops import names

@@ -43,6 +43,7 @@ class Case:
   # Whether each device's shards make the op's own problem (so it runs inside shard_map as it
   # is): not where a contraction or the vocabulary is split, which the caller then combines.
   local: bool = True
+  tolerance: float = 1e-5
 
 
 def _sum_outputs(out):
@@ -57,7 +58,8 @@ def _from_table(c: cases.Case) -> Case:
   return Case(c.id, c.call, mesh.shapes, tuple(P(*spec) for spec in mesh.specs), c.diff_args,
               mesh.activations, tuple((i, h(mesh.shapes) if callable(h) else h)
                                       for i, h in c.ints),
-              tuple(i for i in mesh.implementations if c.runs_on(i)), mesh.local)
+              tuple(i for i in mesh.implementations if c.runs_on(i)), mesh.local,
+              mesh.tolerance)
 
 
 CASES = [_from_table(c) for c in cases.CASES if c.mesh is not None]
@@ -94,11 +96,11 @@ def _mesh(axis_type):
   return jax.make_mesh((2, 4), ("data", "model"), axis_types=(axis_type, axis_type))
 
 
-def _assert_matches(got, want):
+def _assert_matches(got, want, tolerance=1e-5):
   loss, grads = got
-  helpers.assert_close(loss, want[0], rtol=1e-5, atol=1e-5)
+  helpers.assert_close(loss, want[0], rtol=tolerance, atol=tolerance)
   for g, w in zip(grads, want[1], strict=True):
-    helpers.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    helpers.assert_close(g, w, rtol=tolerance, atol=tolerance)
 
 
 def _gathered_activations(text: str, case: Case) -> list:
@@ -117,7 +119,7 @@ def test_op_partitions_under_jit(case, implementation, axis_type):
     step = jax.jit(_loss_and_grads(case, implementation))
     got = step(*placed)
     text = step.lower(*placed).compile().as_text()
-  _assert_matches(got, want)
+  _assert_matches(got, want, case.tolerance)
   for g, i in zip(got[1], case.wrt, strict=True):   # a gradient is placed as its primal
     assert g.sharding.is_equivalent_to(placed[i].sharding, g.ndim), (i, g.sharding)
   assert not _gathered_activations(text, case)
