@@ -237,7 +237,7 @@ def _products(rows, sizes, gate_kernel, up_kernel, down_kernel, activation, fuse
     up = checkpoint_name(_plain_grouped(rows, up_kernel, sizes), names.MOE_UP)
     hidden = checkpoint_name(_plain_glu(gate, up, activation), names.MOE_HIDDEN)
     down = _plain_grouped(hidden, down_kernel, sizes)
-  return checkpoint_name(down, names.MOE_DOWN)
+  return down
 
 
 def _combine(down, order, routing, dtype):
@@ -277,6 +277,9 @@ def experts_mlp(x: jax.Array, routing: Routing, gate_kernel: jax.Array, up_kerne
                                                                   axis_name=axis_name)
     down = _products(checkpoint_name(received, names.MOE_ROUTED), local_sizes, *kernels)
     down = expert_parallel.return_from_experts(down, plan, axis_name=axis_name)
+  # Named as they reach their tokens (after the exchange back, under expert parallelism): the
+  # routing weights' gradient reads them.
+  down = checkpoint_name(down, names.MOE_DOWN)
   return _combine(down, order, routing, x.dtype), dropped
 
 

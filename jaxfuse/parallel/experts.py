@@ -6,18 +6,22 @@ The experts ``[E, ...]`` are split over the mesh axis of the logical axis ``"exp
 ``i * E / P`` to ``(i + 1) * E / P - 1``. Inside ``jax.shard_map`` each device routes its own
 tokens, sorts its pairs by expert (:func:`jaxfuse.blocks.moe.dispatch`), and then:
 
-- :func:`send_to_experts`: the sorted rows go to their experts' devices, each device's share in
-  one block of a padded ``jax.lax.all_to_all``, with the pairs per expert in a second one; the
-  receiver sorts what arrived by its local expert, ready for grouped products over its
-  ``E / P`` experts;
-- :func:`return_from_experts`: the experts' outputs go back by the reverse all-to-all, to the
+- :func:`send_to_experts`: the sorted rows go to their experts' devices, with the pairs per
+  expert in a small all-to-all; the receiver sorts what arrived by its local expert, ready for
+  grouped products over its ``E / P`` experts;
+- :func:`return_from_experts`: the experts' outputs go back by the reverse exchange, to the
   sender's sorted order.
 
-Every block holds as many rows as the sender has pairs (the capacity of the dropless worst
-case: every pair to one device), so nothing is dropped and the result is the one device's
-exactly; the price is ``P`` times the rows in the buffers. XLA:CPU does not implement
-``jax.lax.ragged_all_to_all`` (jax 0.10.2: "HLO opcode ragged-all-to-all is not supported"),
-which would send only the rows.
+Two exchanges, the same result (the one device's exactly, nothing dropped):
+
+- ragged (GPUs, TPUs): ``jax.lax.ragged_all_to_all`` sends each device only its rows, into a
+  receive buffer of the dropless worst case (``P * C`` rows: every sender's pairs to one
+  device); the senders learn where their rows land from an all-gather of the ``[P]`` row
+  counts;
+- padded (CPUs: XLA:CPU does not implement ``ragged_all_to_all``, jax 0.10.2: "HLO opcode
+  ragged-all-to-all is not supported by XLA:CPU ThunkEmitter"): each device's share in one
+  block of a ``jax.lax.all_to_all`` as large as the sender's pairs, ``P`` times the rows on
+  the wire.
 
 Example:
   >>> import jax, jax.numpy as jnp
@@ -43,6 +47,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxfuse.ops import dispatch
 from jaxfuse.parallel import rules
 
 
@@ -52,10 +57,42 @@ class Plan(NamedTuple):
   Attributes:
     order: ``[P * C]`` int32, the received rows in the order of their local experts.
     sent: ``[P]`` int32, the rows sent to each device of the axis.
+    ragged: the exchange was ragged (static).
+    received: ``[P]`` int32, the rows received from each device (ragged only).
   """
 
   order: jax.Array
   sent: jax.Array
+  ragged: bool = False
+  received: jax.Array | None = None
+
+
+def ragged_exchange() -> bool:
+  """Whether :func:`send_to_experts` exchanges ragged (``jax.lax.ragged_all_to_all``) on the
+  platform the program is traced for: not on CPUs."""
+  return dispatch.platform() != "cpu"
+
+
+def _ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
+                       *, axis_name):
+  """``jax.lax.ragged_all_to_all``, or where :data:`EMULATE_RAGGED` is set (tests on CPUs) the
+  same exchange built from an all-gather of every device's rows and offsets."""
+  if not EMULATE_RAGGED:
+    return lax.ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
+                                 recv_sizes, axis_name=axis_name)
+  me = lax.axis_index(axis_name)
+  rows = lax.all_gather(operand, axis_name)                            # [P, n, d]
+  starts, sizes, lands = (lax.all_gather(x, axis_name)[:, me]          # [P]: towards me
+                          for x in (input_offsets, send_sizes, output_offsets))
+  slot = jnp.arange(output.shape[0], dtype=jnp.int32)[:, None]
+  inside = (slot >= lands[None, :]) & (slot < (lands + sizes)[None, :])   # [m, P]
+  sender = jnp.argmax(inside, axis=1)
+  source = jnp.clip(starts[sender] + slot[:, 0] - lands[sender], 0, operand.shape[0] - 1)
+  return jnp.where(jnp.any(inside, axis=1)[:, None], rows[sender, source], output)
+
+
+# Set by tests to run the ragged exchange where XLA has no ragged all-to-all (CPUs).
+EMULATE_RAGGED = False
 
 
 def expert_axis(num_experts: int, mesh=None) -> str | None:
@@ -103,18 +140,38 @@ def send_to_experts(rows: jax.Array, group_sizes: jax.Array, *, axis_name: str):
   per_device = group_sizes.reshape(parts, num_experts // parts)
   sent = jnp.sum(per_device, axis=1)                            # [P]
   starts = jnp.cumsum(sent) - sent
+  counts = lax.all_to_all(per_device, axis_name, 0, 0, tiled=True)   # [P, E / P]: per sender
+  local_sizes = jnp.sum(counts, axis=0).astype(jnp.int32)
+  if ragged_exchange() or EMULATE_RAGGED:
+    received = jnp.sum(counts, axis=1).astype(jnp.int32)       # [P]: from each sender
+    # Where my rows land on device j: after the rows of the senders before me.
+    every = lax.all_gather(sent, axis_name)                    # [sender, receiver]
+    me = lax.axis_index(axis_name)
+    landed = jnp.sum(jnp.where(jnp.arange(parts)[:, None] < me, every, 0), axis=0)
+    arrived = _ragged_all_to_all(rows, jnp.zeros((parts * capacity, width), rows.dtype),
+                                 starts.astype(jnp.int32), sent.astype(jnp.int32),
+                                 landed.astype(jnp.int32), received, axis_name=axis_name)
+    # The senders' rows are consecutive: sender s's start, then its counts per local expert.
+    first = jnp.cumsum(received) - received
+    slot = jnp.arange(parts * capacity, dtype=jnp.int32)
+    sender = jnp.sum(slot[:, None] >= jnp.cumsum(received)[None, :], axis=-1)   # P: padding
+    within = slot - first[jnp.minimum(sender, parts - 1)]
+    ends = jnp.cumsum(counts, axis=1)[jnp.minimum(sender, parts - 1)]           # [P*C, E/P]
+    local_expert = jnp.where(sender < parts, jnp.sum(within[:, None] >= ends, axis=-1),
+                             num_experts // parts)
+    order = jnp.argsort(local_expert, stable=True).astype(jnp.int32)
+    return arrived[order], local_sizes, Plan(order, sent, True, received)
   slot = jnp.arange(capacity, dtype=jnp.int32)
   index = jnp.minimum(starts[:, None] + slot[None, :], capacity - 1)
   valid = slot[None, :] < sent[:, None]                         # [P, C]
   blocks = jnp.where(valid[..., None], rows[index], jnp.zeros((), rows.dtype))   # [P, C, d]
   arrived = lax.all_to_all(blocks, axis_name, 0, 0, tiled=True)  # [P, C, d]: one per sender
-  counts = lax.all_to_all(per_device, axis_name, 0, 0, tiled=True)   # [P, E / P]
   # The local expert of each arrived row (E / P for the padding, which sorts last).
   ends = jnp.cumsum(counts, axis=1)
   local_expert = jnp.sum(slot[None, :, None] >= ends[:, None, :], axis=-1)   # [P, C]
   order = jnp.argsort(local_expert.reshape(-1), stable=True).astype(jnp.int32)
   received = arrived.reshape(parts * capacity, width)[order]
-  return received, jnp.sum(counts, axis=0).astype(jnp.int32), Plan(order, sent)
+  return received, local_sizes, Plan(order, sent)
 
 
 def return_from_experts(out: jax.Array, plan: Plan, *, axis_name: str) -> jax.Array:
@@ -124,6 +181,15 @@ def return_from_experts(out: jax.Array, plan: Plan, *, axis_name: str) -> jax.Ar
   parts = lax.axis_size(axis_name)
   capacity = out.shape[0] // parts
   arrived = jnp.zeros_like(out).at[plan.order].set(out, unique_indices=True)
+  if plan.ragged:
+    # The reverse exchange: to sender s the rows it sent, back where they were in its order.
+    first = jnp.cumsum(plan.received) - plan.received
+    starts = jnp.cumsum(plan.sent) - plan.sent
+    home_at = lax.all_to_all(starts.astype(jnp.int32)[:, None], axis_name, 0, 0,
+                             tiled=True)[:, 0]
+    return _ragged_all_to_all(arrived, jnp.zeros((capacity, out.shape[1]), out.dtype),
+                              first.astype(jnp.int32), plan.received, home_at,
+                              plan.sent.astype(jnp.int32), axis_name=axis_name)
   home = lax.all_to_all(arrived.reshape(parts, capacity, -1), axis_name, 0, 0, tiled=True)
   starts = jnp.cumsum(plan.sent) - plan.sent
   pair = jnp.arange(capacity, dtype=jnp.int32)

@@ -18,6 +18,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxfuse import parallel, train
+from jaxfuse.ops import dispatch
+from jaxfuse.parallel import experts
 from jaxfuse.metrics.collectives import collectives
 from jaxfuse.models import Decoder, DecoderConfig, next_token_targets
 from tests import helpers
@@ -131,3 +133,53 @@ def test_training_a_mixtral_on_an_expert_mesh_gives_the_single_device_losses(tmp
                        atol=0)
   helpers.assert_close(np.asarray(sharded["val_loss"]), np.asarray(single["val_loss"]),
                        rtol=1e-5, atol=0)
+
+
+# The ragged exchange ---------------------------------------------------------------------------
+
+
+def _expert_parallel_step(mesh_text):
+  mesh = parallel.make_mesh(mesh_text)
+  tokens, targets = _batch()
+  with jax.set_mesh(mesh):
+    params = parallel.place(_model()[1], mesh)
+    rows = NamedSharding(mesh, parallel.logical_spec(("batch", "seq"), mesh, tokens.shape))
+    args = (params, jax.device_put(tokens, rows), jax.device_put(targets, rows))
+    return mesh, args, jax.jit(jax.value_and_grad(_loss))
+
+
+def test_ragged_exchange_equals_one_device(monkeypatch):
+  """The ragged exchange of GPUs and TPUs, its offsets and sizes as they compute them, with
+  the exchange itself built from all-gathers (XLA:CPU has no ragged all-to-all)."""
+  monkeypatch.setattr(experts, "EMULATE_RAGGED", True)
+  mesh, args, step = _expert_parallel_step("expert=4,data=2")
+  with jax.set_mesh(mesh):
+    value, grads = step(*args)
+  want_value, want_grads = _single()
+  helpers.assert_close(value, want_value, rtol=1e-5, atol=0)
+  for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
+    helpers.assert_close(g, w, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(w))))
+
+
+def _stablehlo_all_to_all_types(text: str) -> list[str]:
+  """The result types of the padded all-to-alls of a lowered (StableHLO) program."""
+  return [line.rsplit("->", 1)[-1].strip() for line in text.splitlines()
+          if '"stablehlo.all_to_all"' in line]
+
+
+def test_gpus_exchange_by_ragged_all_to_all_forward_and_backward():
+  """Lowered for CUDA, the step sends the rows by ``ragged_all_to_all`` both ways, forward and
+  backward (in each of the 2 MoE layers: out and back, and the transposes of both), and by no
+  padded all-to-all of rows; lowered for CPUs, the same step has no ragged exchange and its
+  rows travel in padded ``[P, C, d]`` blocks."""
+  rows_block = f"x{B * T // 8 * K}x{D}xf32>"   # [P, C, d]: C a device's pairs
+  texts = {}
+  for platform in ("gpu", "cpu"):
+    mesh, args, step = _expert_parallel_step("expert=4,data=2")   # traced afresh
+    with jax.set_mesh(mesh), dispatch.target_platform(platform):
+      texts[platform] = step.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  gpu, cpu = texts["gpu"], texts["cpu"]
+  assert gpu.count("@ragged_all_to_all") == 2 * 4, gpu.count("@ragged_all_to_all")
+  assert not [t for t in _stablehlo_all_to_all_types(gpu) if t.endswith(rows_block)]
+  assert "@ragged_all_to_all" not in cpu
+  assert [t for t in _stablehlo_all_to_all_types(cpu) if t.endswith(rows_block)]
