@@ -197,4 +197,4 @@ def test_the_readme_table_is_the_code_list():
 
 FAMILIES_TESTED = {model_type for model_type, _ in FAMILIES.values()} | {
     "mistral", "qwen2",   # the earlier families' twins: tests/test_hf_twin.py
-    "mixtral", "qwen3_moe"}   # the Mixture-of-Experts families': tests/test_moe_families.py
+    "mixtral", "qwen2_moe", "qwen3_moe"}   # the Mixture-of-Experts families': tests/test_moe_families.py

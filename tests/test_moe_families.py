@@ -1,5 +1,5 @@
 """Mixture-of-Experts: the routing and the experts' MLP (:mod:`jaxfuse.blocks.moe`), and the MoE
-families (Mixtral, Qwen3-MoE) against Hugging Face's own models on checkpoints ``transformers``
+families (Mixtral, Qwen2-MoE with its shared expert, Qwen3-MoE) against Hugging Face's own models on checkpoints ``transformers``
 wrote: tiny random configs built here (4 experts, top 2, no download).
 
 Per family, as ``tests/test_families.py`` checks the dense ones: the logits (within 2e-5), the
@@ -35,6 +35,10 @@ FAMILIES = {
                                            output_router_logits=True, router_aux_loss_coef=0.5)),
     "qwen3_moe-aux": ("qwen3_moe", dict(num_experts=4, moe_intermediate_size=24, head_dim=16,
                                         output_router_logits=True, router_aux_loss_coef=0.3)),
+    "qwen2_moe-shared-aux": ("qwen2_moe", dict(num_experts=4, moe_intermediate_size=24,
+                                               shared_expert_intermediate_size=40,
+                                               output_router_logits=True,
+                                               router_aux_loss_coef=0.3)),
 }
 # Mixtral renormalizes the top-k weights; Qwen3-MoE here does not (its default
 # norm_topk_prob=False): test_routing_matches_transformers_routers covers both settings.

@@ -451,12 +451,19 @@ def moe_mlp_dense(x: jax.Array, router_kernel: jax.Array, gate_kernel: jax.Array
   return jnp.einsum("etd,te->td", out, dense).astype(x.dtype).reshape(shape)
 
 
-def torch_params(prefix: str = "") -> dict:
+def torch_params(prefix: str = "", *, shared_expert: bool = False) -> dict:
   """The MoE layer's parameters as ``transformers`` 5 holds them live: the router ``gate``
   (``[E, d]``, an ``nn.Linear`` weight) and the experts' stacked ``gate_proj``, ``up_proj``
   ``[E, f, d]`` and ``down_proj`` ``[E, d, f]`` (each expert's weight transposed), before
-  ``gate_proj`` and ``up_proj`` are fused into ``experts.gate_up_proj``."""
-  return {("router", "kernel"): (f"{prefix}gate.weight", True),
-          ("experts", "gate_proj"): (f"{prefix}experts.gate_proj", True),
-          ("experts", "up_proj"): (f"{prefix}experts.up_proj", True),
-          ("experts", "down_proj"): (f"{prefix}experts.down_proj", True)}
+  ``gate_proj`` and ``up_proj`` are fused into ``experts.gate_up_proj``; with
+  ``shared_expert``, Qwen2-MoE's ``shared_expert`` (a gated MLP's ``gate_proj``, ``up_proj``,
+  ``down_proj``) and ``shared_expert_gate`` (``[1, d]``)."""
+  out = {("router", "kernel"): (f"{prefix}gate.weight", True),
+         ("experts", "gate_proj"): (f"{prefix}experts.gate_proj", True),
+         ("experts", "up_proj"): (f"{prefix}experts.up_proj", True),
+         ("experts", "down_proj"): (f"{prefix}experts.down_proj", True)}
+  if shared_expert:
+    for name in ("gate_proj", "up_proj", "down_proj"):
+      out[("shared_expert", name, "kernel")] = (f"{prefix}shared_expert.{name}.weight", True)
+    out[("shared_expert_gate", "kernel")] = (f"{prefix}shared_expert_gate.weight", True)
+  return out

@@ -11,8 +11,9 @@ norms of the family's placement (``input_layernorm``, ``post_attention_layernorm
 into ``qkv_proj`` and gate and up into ``gate_up_proj``: they are split on load and fused on
 save.
 
-A Mixture-of-Experts block's MLP (Mixtral, Qwen3-MoE) is ``mlp.gate.weight`` (the router) and
-the experts, which come in two layouts, both read: ``transformers`` 5 holds them stacked
+A Mixture-of-Experts block's MLP (Mixtral, Qwen2-MoE, Qwen3-MoE) is ``mlp.gate.weight`` (the
+router), Qwen2-MoE's shared expert (``mlp.shared_expert.{gate,up,down}_proj.weight``,
+``mlp.shared_expert_gate.weight``) and the experts, which come in two layouts, both read: ``transformers`` 5 holds them stacked
 (``mlp.experts.gate_up_proj`` ``[E, 2f, d]``, gate rows first, and ``mlp.experts.down_proj``
 ``[E, d, f]``: what :func:`hf_state_dict` gives, as a live model's ``state_dict()``), and
 its ``save_pretrained`` writes them one by one, as the families' original checkpoints have
@@ -98,7 +99,9 @@ def hf_param_map(cfg) -> dict[tuple, TorchParam]:
         out.update(torch_names.prefixed(norm, layer + (name,), prefix + name + "."))
     out.update(torch_names.prefixed(attention_params, layer + ("self_attn",),
                                     prefix + "self_attn."))
-    mlp_params = (moe_blocks.torch_params() if getattr(cfg, "num_experts", 0)
+    mlp_params = (moe_blocks.torch_params(
+                      shared_expert=bool(getattr(cfg, "shared_expert_mlp_dim", 0)))
+                  if getattr(cfg, "num_experts", 0)
                   else mlp_blocks.torch_params(mlp_blocks.GATED, cfg.mlp_bias))
     out.update(torch_names.prefixed(mlp_params, layer + ("mlp",), prefix + "mlp."))
   out.update(torch_names.prefixed(norm, ("norm",), "model.norm."))

@@ -32,6 +32,7 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
     **_linear("(gate|up)_proj", "embed", "mlp"),
     **_linear("down_proj", "mlp", "embed"),
     r"router\.kernel": ("embed", None),
+    r"shared_expert_gate\.kernel": ("embed", None),
     r"experts\.(gate|up)_proj": ("expert", "embed", "mlp"),
     r"experts\.down_proj": ("expert", "mlp", "embed"),
     r"lm_head\.kernel": ("vocab", "embed"),   # [V, D], the embedding's layout

@@ -75,11 +75,14 @@ class DecoderConfig:
       ``query_pre_attn_scalar ** -0.5``).
     attn_logit_softcap: attention scores ``c * tanh(s / c)`` (Gemma 2).
     final_logit_softcap: the logits ``c * tanh(z / c)`` (Gemma 2).
-    num_experts: the experts of each block's Mixture-of-Experts MLP (Mixtral, Qwen3-MoE):
+    num_experts: the experts of each block's Mixture-of-Experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE):
       a router sends each token to ``experts_per_token`` of them (:mod:`jaxfuse.blocks.moe`);
       0: a dense MLP.
     experts_per_token: the top k of the routing.
     expert_mlp_dim: each expert's hidden width (default ``mlp_dim``).
+    shared_expert_mlp_dim: the hidden width of a shared expert that every token goes through
+      besides its routed ones, its output times a sigmoid gate of the token (Qwen2-MoE's
+      ``shared_expert``, ``shared_expert_gate``); 0: none.
     router_renormalize: the top-k routing weights are divided by their sum (Mixtral; Qwen3-MoE's
       ``norm_topk_prob``).
     router_aux_loss_coef: the loss adds this times the load-balancing loss of every layer's
@@ -125,6 +128,7 @@ class DecoderConfig:
   num_experts: int = 0
   experts_per_token: int = 2
   expert_mlp_dim: int | None = None
+  shared_expert_mlp_dim: int = 0
   router_renormalize: bool = True
   router_aux_loss_coef: float = 0.0
   router_z_loss_coef: float = 0.0
@@ -200,6 +204,11 @@ class DecoderConfig:
         fail(f"expert_mlp_dim must be a positive int, got {self.expert_mlp_dim!r}")
       if self.mlp_bias:
         fail("mlp_bias: the experts have no biases")
+    if isinstance(self.shared_expert_mlp_dim, bool) or not isinstance(
+        self.shared_expert_mlp_dim, int) or self.shared_expert_mlp_dim < 0:
+      fail(f"shared_expert_mlp_dim must be an int >= 0, got {self.shared_expert_mlp_dim!r}")
+    if self.shared_expert_mlp_dim and not self.num_experts:
+      fail("shared_expert_mlp_dim: a shared expert needs a Mixture of Experts (num_experts)")
     for name in ("router_aux_loss_coef", "router_z_loss_coef"):
       if not getattr(self, name) >= 0:
         fail(f"{name} must be >= 0, got {getattr(self, name)!r}")

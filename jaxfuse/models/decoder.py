@@ -13,7 +13,7 @@ the LM head. ``fused`` chooses how it computes, never what parameters it has:
   ``optax.softmax_cross_entropy_with_integer_labels``. It is the baseline every figure is
   measured against; :func:`nnx.state` of one loads into the other.
 
-With ``num_experts`` in the config (Mixtral, Qwen3-MoE) each block's MLP is a Mixture of
+With ``num_experts`` in the config (Mixtral, Qwen2-MoE, Qwen3-MoE) each block's MLP is a Mixture of
 Experts (:class:`jaxfuse.models.decoder_block.MoE`, over :mod:`jaxfuse.blocks.moe`): the blocks
 pass their routing statistics along with the residual stream, and the loss adds the
 load-balancing loss (and a router z-loss) as the config says (:meth:`Decoder.router_loss`).

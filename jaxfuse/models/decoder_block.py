@@ -18,6 +18,7 @@ layers of different kinds take their branch by ``lax.switch``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -270,10 +271,12 @@ class Experts(nnx.Module):
 
 
 class MoE(nnx.Module):
-  """A Mixture-of-Experts MLP in a block's place (Mixtral, Qwen3-MoE): a ``router``
+  """A Mixture-of-Experts MLP in a block's place (Mixtral, Qwen2-MoE, Qwen3-MoE): a ``router``
   (``nnx.Linear`` ``[d_model, E]``, Hugging Face's ``mlp.gate``) sends each token to its top
   ``experts_per_token`` :class:`Experts` (:func:`jaxfuse.blocks.moe.moe_mlp`: tokens sorted by
-  expert, grouped products, dropless unless the config has a ``capacity_factor``).
+  expert, grouped products, dropless unless the config has a ``capacity_factor``). With
+  ``shared_expert_mlp_dim`` (Qwen2-MoE) every token also goes through ``shared_expert`` (an
+  :class:`MLP`), its output times ``sigmoid(shared_expert_gate(x))``.
 
   Fused, the experts' MLP is one op (:func:`jaxfuse.ops.grouped_mlp`) and, while no policy of
   the model's decides (``recompute="activation"``, set by the model), the backward keeps only
@@ -295,6 +298,10 @@ class MoE(nnx.Module):
     self.recompute = "activation"
     self.router = make_linear(cfg, cfg.d_model, cfg.num_experts, False, rngs)
     self.experts = Experts(cfg, rngs=rngs)
+    if cfg.shared_expert_mlp_dim:
+      shared = dataclasses.replace(cfg, mlp_dim=cfg.shared_expert_mlp_dim, mlp_bias=False)
+      self.shared_expert = MLP(shared, fused=fused, implementation=implementation, rngs=rngs)
+      self.shared_expert_gate = make_linear(cfg, cfg.d_model, 1, False, rngs)
 
   def routed(self, x: jax.Array, mask: jax.Array | None = None):
     """``(out, stats)``: the layer's output and its routing statistics
@@ -313,6 +320,10 @@ class MoE(nnx.Module):
     experts = self.experts
     out, stats = layer(x, self.router.kernel[...], experts.gate_proj[...], experts.up_proj[...],
                        experts.down_proj[...], mask)
+    if self.cfg.shared_expert_mlp_dim:
+      # As transformers' Qwen2-MoE: sigmoid(x @ w_gate) * shared_expert(x), in x's dtype.
+      gate = jax.nn.sigmoid(_project(self.shared_expert_gate, x, self.fused))
+      out = out + gate * self.shared_expert(x)
     return parallel.constrain(out, *STREAM), stats
 
   def __call__(self, x: jax.Array) -> jax.Array:

@@ -11,7 +11,7 @@ Example:
   >>> from jaxfuse.models import families
   >>> [f.model_type for f in families.FAMILIES]
   ['llama', 'mistral', 'qwen2', 'qwen3', 'gemma2', 'gemma3_text', 'phi3', 'olmo2', 'mixtral',
-   'qwen3_moe']
+   'qwen2_moe', 'qwen3_moe']
 """
 
 from __future__ import annotations
@@ -185,7 +185,8 @@ def _write_mixtral(cfg: DecoderConfig) -> dict:
           **_write_moe(cfg)}
 
 
-def _qwen3_moe(f: Fields) -> dict:
+def _qwen_moe(f: Fields) -> dict:
+  """The Mixture of Experts of Qwen2-MoE and Qwen3-MoE (every layer's: dense layers refused)."""
   experts = f.get("num_experts") or f.get("num_local_experts") or 0
   step, only = f.get("decoder_sparse_step", 1), list(f.get("mlp_only_layers") or [])
   dense = [i for i in range(f.get("num_hidden_layers"))
@@ -194,15 +195,33 @@ def _qwen3_moe(f: Fields) -> dict:
     field = "mlp_only_layers" if only else "decoder_sparse_step" if experts else "num_experts"
     f.refuse(field, f.get(field), f"layers {dense} would have dense MLPs; only models whose "
              f"every layer is a Mixture of Experts are supported")
-  return {"qk_norm": "head", **_attention_bias(f), **_layer_types(f, window_default=False),
+  return {**_layer_types(f, window_default=False),
           "expert_mlp_dim": int(f.get("moe_intermediate_size")),
           **_moe(f, experts, renormalize=f.get("norm_topk_prob", False))}
 
 
-def _write_qwen3_moe(cfg: DecoderConfig) -> dict:
-  return {"attention_bias": cfg.qkv_bias, **_write_types(cfg), "num_experts": cfg.num_experts,
+def _write_qwen_moe(cfg: DecoderConfig) -> dict:
+  return {**_write_types(cfg), "num_experts": cfg.num_experts,
           "moe_intermediate_size": cfg.expert_mlp_dim, "norm_topk_prob": cfg.router_renormalize,
           "decoder_sparse_step": 1, "mlp_only_layers": [], **_write_moe(cfg)}
+
+
+def _qwen3_moe(f: Fields) -> dict:
+  return {"qk_norm": "head", **_attention_bias(f), **_qwen_moe(f)}
+
+
+def _write_qwen3_moe(cfg: DecoderConfig) -> dict:
+  return {"attention_bias": cfg.qkv_bias, **_write_qwen_moe(cfg)}
+
+
+def _qwen2_moe(f: Fields) -> dict:
+  return {"qkv_bias": bool(f.get("qkv_bias", True)), **_qwen_moe(f),
+          "shared_expert_mlp_dim": int(f.get("shared_expert_intermediate_size") or 0)}
+
+
+def _write_qwen2_moe(cfg: DecoderConfig) -> dict:
+  return {"qkv_bias": cfg.qkv_bias, **_write_qwen_moe(cfg),
+          "shared_expert_intermediate_size": cfg.shared_expert_mlp_dim}
 
 
 _MOE_FIELDS = frozenset({"num_experts_per_tok", "output_router_logits", "router_aux_loss_coef"})
@@ -262,6 +281,16 @@ FAMILIES: tuple[Family, ...] = (
            _mixtral, _write_mixtral,
            _MOE_FIELDS | {"sliding_window", "num_local_experts", "router_jitter_noise"},
            experts=("block_sparse_moe", ("w1", "w3", "w2"))),
+    Family("qwen2_moe", "Qwen2MoeForCausalLM", "Qwen2MoeConfig",
+           "Qwen2's attention with a Mixture of Experts in every block (moe_intermediate_size "
+           "wide, norm_topk_prob) and a shared expert every token goes through, gated by a "
+           "sigmoid of the token; the load-balancing loss with output_router_logits; dense "
+           "layers (mlp_only_layers, decoder_sparse_step) are refused",
+           _qwen2_moe, _write_qwen2_moe,
+           _MOE_FIELDS | _QWEN_FIELDS | {"qkv_bias", "num_experts", "moe_intermediate_size",
+                                         "shared_expert_intermediate_size", "norm_topk_prob",
+                                         "decoder_sparse_step", "mlp_only_layers"},
+           experts=("mlp", ("gate_proj", "up_proj", "down_proj"))),
     Family("qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3MoeConfig",
            "Qwen3's attention with a Mixture of Experts in every block (moe_intermediate_size "
            "wide, norm_topk_prob), the load-balancing loss with output_router_logits; "
