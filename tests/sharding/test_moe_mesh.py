@@ -1,5 +1,5 @@
-"""Expert parallelism on 8 simulated devices: a Mixture-of-Experts decoder whose experts are split
-over the ``expert`` mesh axis (alone with data parallelism, and with FSDP and tensor
+"""Expert parallelism on 8 simulated devices: a Mixture-of-Experts decoder (with a shared expert,
+as Qwen2-MoE's) whose experts are split over the ``expert`` mesh axis (alone with data parallelism, and with FSDP and tensor
 parallelism) gives the single-device loss and gradients, holds ``1 / split`` of the experts per
 device, and sends its tokens to the experts by all-to-all, never by gathering them; the
 training CLI on such a mesh gives the single-device losses."""
@@ -32,7 +32,7 @@ B, T, D, V, E, K, F = 8, 16, 24, 64, 8, 2, 40
 def _model():
   cfg = DecoderConfig(vocab_size=V, d_model=D, num_layers=2, num_heads=4, num_kv_heads=2,
                       mlp_dim=F, num_experts=E, experts_per_token=K, router_aux_loss_coef=0.5,
-                      router_z_loss_coef=0.01)
+                      router_z_loss_coef=0.01, shared_expert_mlp_dim=F // 2)
   return nnx.split(Decoder(cfg, implementation="xla", rngs=nnx.Rngs(0)), nnx.Param, ...)
 
 
