@@ -66,18 +66,26 @@ def _split_shapes(tree) -> set[tuple[int, ...]]:
   return out
 
 
+def _placed(mesh_text):
+  """The mesh and the step's arguments on it: the parameters as the rules place them, the
+  batch split over its batch axes."""
+  mesh = parallel.make_mesh(mesh_text)
+  tokens, targets = _batch()
+  with jax.set_mesh(mesh):
+    params = parallel.place(_model()[1], mesh)
+    rows = NamedSharding(mesh, parallel.logical_spec(("batch", "seq"), mesh, tokens.shape))
+    return mesh, (params, jax.device_put(tokens, rows), jax.device_put(targets, rows))
+
+
 # (mesh, how many devices split each expert kernel: expert x fsdp x tensor)
 MESHES = [("expert=4,data=2", 4), ("expert=2,fsdp=2,tensor=2", 8)]
 
 
 @pytest.mark.parametrize("mesh_text,split", MESHES, ids=[m for m, _ in MESHES])
 def test_expert_parallel_decoder_equals_one_device(mesh_text, split):
-  mesh = parallel.make_mesh(mesh_text)
-  tokens, targets = _batch()
+  mesh, args = _placed(mesh_text)
+  params = args[0]
   with jax.set_mesh(mesh):
-    params = parallel.place(_model()[1], mesh)
-    rows = NamedSharding(mesh, parallel.logical_spec(("batch", "seq"), mesh, tokens.shape))
-    args = (params, jax.device_put(tokens, rows), jax.device_put(targets, rows))
     out = (NamedSharding(mesh, P()), jax.tree.map(lambda x: x.sharding, params))
     step = jax.jit(jax.value_and_grad(_loss), out_shardings=out).lower(*args).compile()
     value, grads = step(*args)
@@ -139,13 +147,8 @@ def test_training_a_mixtral_on_an_expert_mesh_gives_the_single_device_losses(tmp
 
 
 def _expert_parallel_step(mesh_text):
-  mesh = parallel.make_mesh(mesh_text)
-  tokens, targets = _batch()
-  with jax.set_mesh(mesh):
-    params = parallel.place(_model()[1], mesh)
-    rows = NamedSharding(mesh, parallel.logical_spec(("batch", "seq"), mesh, tokens.shape))
-    args = (params, jax.device_put(tokens, rows), jax.device_put(targets, rows))
-    return mesh, args, jax.jit(jax.value_and_grad(_loss))
+  """The mesh, the placed arguments and a fresh (untraced) jitted step."""
+  return (*_placed(mesh_text), jax.jit(jax.value_and_grad(_loss)))
 
 
 def test_ragged_exchange_equals_one_device(monkeypatch):

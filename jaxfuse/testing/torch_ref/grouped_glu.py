@@ -4,6 +4,7 @@ experts."""
 import torch
 
 from jaxfuse.testing.torch_ref.elementwise import ACTIVATIONS
+from jaxfuse.testing.torch_ref.grouped_matmul import grouped_matmul
 
 
 def grouped_glu(lhs, gate, up, group_sizes, act="silu"):
@@ -24,14 +25,6 @@ def grouped_glu(lhs, gate, up, group_sizes, act="silu"):
 
 
 def grouped_mlp(lhs, gate, up, down, group_sizes, act="silu"):
-  """The experts' gated MLP: :func:`grouped_glu` then each expert's rows times ``down[e]``
+  """The experts' gated MLP: :func:`grouped_glu`, then each expert's rows times ``down[e]``
   ``[F, N]``, one expert at a time; rows past ``sum(group_sizes)`` give zeros."""
-  hidden = grouped_glu(lhs, gate, up, group_sizes, act)
-  sizes = [int(s) for s in torch.as_tensor(group_sizes).tolist()]
-  pieces, start = [], 0
-  for expert, size in enumerate(sizes):
-    if size:
-      pieces.append(hidden[start:start + size] @ down[expert])
-    start += size
-  pieces.append(hidden[start:, :0] @ down[0, :0])
-  return torch.cat(pieces, dim=0)
+  return grouped_matmul(grouped_glu(lhs, gate, up, group_sizes, act), down, group_sizes)
