@@ -5,30 +5,28 @@
 ``[M, K]``, sorted by group (expert), through each group's gated MLP (``gate``, ``up``
 ``[G, K, F]``, ``down`` ``[G, F, N]``). Rows past ``sum(group_sizes)`` come out as zeros.
 
-One ``custom_vjp`` covers the three products, so the backward computes each expert
-intermediate once:
+One ``custom_vjp`` covers the three products and keeps only its inputs; the backward
+recomputes the gate and up products once:
 
 - forward: ``a = lhs_e @ gate[e]`` and ``b = lhs_e @ up[e]`` (float32), ``h = act(a) * b``
   rounded to the inputs' dtype, ``out = h_e @ down[e]``;
-- backward, from ``a`` and ``b``: ``h`` again (elementwise), ``d h = g @ down[e]^T`` and
+- backward: ``a`` and ``b`` recomputed, ``h`` from them, ``d h = g @ down[e]^T`` and
   ``d down[e] = h_e^T @ g_e``; ``d a = d h * b * act'(a)``, ``d b = d h * act(a)`` (rounded to
   the inputs' dtype); ``d lhs = d a @ gate[e]^T + d b @ up[e]^T``, ``d gate[e] = lhs_e^T @ d a``,
-  ``d up[e] = lhs_e^T @ d b``: six grouped products, each :mod:`jaxfuse.ops.grouped_matmul`'s
-  backward.
+  ``d up[e] = lhs_e^T @ d b``: eight grouped products, eleven a step with the forward's three.
+  On CPUs (XLA) one loop over each group's row tiles does all of them for a tile; elsewhere
+  they are XLA's ragged products.
 
-What the backward keeps (XLA): the inputs and ``a`` and ``b``, named ``moe.gate`` and
-``moe.up`` (:mod:`jaxfuse.ops.names`). A recomputation policy that keeps neither recomputes
-just those two products (two grouped products more than keeping them, and ``2 · M · F``
-values less); the down product is never recomputed. Composed of :func:`grouped_glu` and
-:func:`grouped_matmul` under ``jax.checkpoint`` instead, the backward would run the gate and
-up products twice (once to recompute ``h`` for ``d down``, once in ``grouped_glu``'s own
-backward).
+Composed of :func:`grouped_glu` and :func:`grouped_matmul` under ``jax.checkpoint`` instead,
+the backward would run the gate and up products twice (once to recompute ``h`` for
+``d down``, once in ``grouped_glu``'s own backward). No computed value is kept, so the op
+tags no residual name.
 
 With kernels (Pallas, Triton) the forward is :func:`jaxfuse.ops.grouped_glu`'s fused kernel
 (the activation in the products' epilogue: ``a`` and ``b`` never reach memory) and the down
-product's kernel; the backward keeps only the inputs and recomputes ``h`` with the fused
-kernel for ``d down`` before :func:`grouped_glu`'s backward kernels, which recompute the
-products again (two more products than the XLA path; no computed residual, so no name).
+product's kernel; the backward recomputes ``h`` with the fused kernel for ``d down`` before
+:func:`grouped_glu`'s backward kernels, which recompute the products again (two more products
+than the XLA path).
 """
 
 from __future__ import annotations
@@ -90,8 +88,8 @@ def grouped_mlp(lhs: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
                 group_sizes: jax.Array, *, activation: str | Callable = "silu",
                 implementation: str | None = None, precision=None) -> jax.Array:
   """The experts' gated MLP: ``(activation(lhs_e @ gate[e]) * (lhs_e @ up[e])) @ down[e]`` for
-  the rows of each group ``e``, with one backward for the three products (see the module
-  docstring for what it keeps: ``moe.gate`` and ``moe.up`` on XLA, the inputs on kernels).
+  the rows of each group ``e``, with one backward for the three products that keeps only the
+  inputs (see the module docstring).
 
   Args:
     lhs: ``[M, K]``, rows sorted by group.
