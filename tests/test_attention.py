@@ -20,21 +20,29 @@ from tests.attention_common import (FAST_COMPILE, assert_matches_torch, inputs, 
 # (batch, q_len, kv_len, q_heads, kv_heads, head_dim). XLA runs every length; Pallas runs in
 # interpret mode on CPU, so it takes the small ones. GQA at 77 tokens, full and causal, is the op
 # table's cases "" and "causal" (tests/cases/attention.py), in every dtype on both paths.
+# The XLA path runs strips at these lengths; "tiles" runs its tile loops (longer sequences').
 XLA_CASES = [
-    ((2, 1, 1, 2, 2, 64), True),
-    ((1, 1000, 1000, 2, 1, 64), False),   # MQA, not a multiple of any tile
-    ((1, 1000, 1000, 2, 1, 64), True),
-    ((1, 1024, 1024, 2, 2, 32), True),    # 512-wide XLA tiles
-    ((1, 700, 600, 2, 1, 64), True),      # 128-wide XLA tiles, q longer than kv
+    ((2, 1, 1, 2, 2, 64), True, "strips"),
+    ((1, 1000, 1000, 2, 1, 64), False, "strips"),   # MQA, not a multiple of any tile
+    ((1, 1000, 1000, 2, 1, 64), True, "strips"),
+    ((1, 1000, 1000, 2, 1, 64), True, "tiles"),
+    ((1, 1024, 1024, 2, 2, 32), True, "tiles"),     # 512-wide XLA tiles
+    ((1, 700, 600, 2, 1, 64), True, "tiles"),       # 128-wide XLA tiles, q longer than kv
+    ((1, 700, 600, 2, 1, 64), True, "strips"),
 ]
 
 
-def _case_id(shape, causal):
-  return "b{}_tq{}_tk{}_h{}/{}_d{}".format(*shape) + ("-causal" if causal else "-full")
+def _case_id(shape, causal, path):
+  return ("b{}_tq{}_tk{}_h{}/{}_d{}".format(*shape) + ("-causal" if causal else "-full")
+          + f"-{path}")
 
 
-@pytest.mark.parametrize("shape, causal", XLA_CASES, ids=[_case_id(*c) for c in XLA_CASES])
-def test_xla_fp32_matches_torch(shape, causal):
+@pytest.mark.parametrize("shape, causal, path", XLA_CASES, ids=[_case_id(*c) for c in XLA_CASES])
+def test_xla_fp32_matches_torch(shape, causal, path, monkeypatch):
+  from jaxfuse.ops.flash_attention import xla
+
+  if path == "tiles":
+    monkeypatch.setattr(xla, "XLA_STRIP_MAX_SCORES", 0)
   q, k, v, g = inputs(*shape)
   got = jax_step(q, k, v, g, "xla", causal=causal)
   assert_matches_torch(got, torch_step(q, k, v, g, causal=causal), f"{shape} causal={causal}")
@@ -62,11 +70,18 @@ def test_head_dim_range(impl, d, pallas_mode):
   assert_matches_torch(got, torch_step(q, k, v, g, causal=True, scale=scale), f"d={d}")
 
 
-@pytest.mark.parametrize("impl, causal", [("xla", False), ("xla", True), ("pallas", True)])
-def test_padding_segments_and_fully_masked_rows(impl, causal, pallas_mode):
+@pytest.mark.parametrize("impl, causal", [("xla", False), ("xla", True), ("xla-tiles", True),
+                                          ("pallas", True)])
+def test_padding_segments_and_fully_masked_rows(impl, causal, pallas_mode, monkeypatch):
   """kv_lengths (one full row, one padded, one empty) and segment ids (sorted, with queries
   whose segment has no key): the output and gradients match torch; rows that see no key give
-  zeros, keys past kv_lengths get zero gradients, and nothing is NaN."""
+  zeros, keys past kv_lengths get zero gradients, and nothing is NaN. ("xla-tiles": the XLA
+  path's tile loops, which it runs for longer sequences.)"""
+  if impl == "xla-tiles":
+    from jaxfuse.ops.flash_attention import xla
+
+    monkeypatch.setattr(xla, "XLA_STRIP_MAX_SCORES", 0)
+    impl = "xla"
   t = 300 if impl == "xla" else 77
   q, k, v, g = inputs(3, t, t, 2, 1, 32, seed=4)
   kv_lengths = jnp.array([t, t // 3, 0], jnp.int32)

@@ -19,12 +19,25 @@ from tests import helpers
 SMALL_BLOCKS = BlockSizes(16, 32, 32, 16, 16, 32)
 
 
+# The XLA path runs strips up to a few thousand positions and tile loops beyond; "xla-tiles"
+# runs the tile loops at these short lengths.
+XLA_TILES = "xla-tiles"
+IMPLEMENTATIONS = (*helpers.CPU_IMPLEMENTATIONS, XLA_TILES)
+
+
 @pytest.fixture
-def small_tiles(monkeypatch):
-  """16- and 32-wide tiles on both paths."""
+def small_tiles(monkeypatch, request):
+  """16- and 32-wide tiles on every path and strips of 16 rows on XLA's, so that several of
+  each are visited; the tile loops for XLA_TILES. Returns the implementation to ask for."""
+  impl = request.node.callspec.params["impl"]
   monkeypatch.setattr(xla, "XLA_BLOCK", 16)
+  monkeypatch.setattr(xla, "XLA_STRIP_ROWS", 16)
+  monkeypatch.setattr(xla, "XLA_STRIP_LONG_ROWS", 16)
+  if impl == XLA_TILES:
+    monkeypatch.setattr(xla, "XLA_STRIP_MAX_SCORES", 0)
   monkeypatch.setattr(tuning, "block_sizes_for",
                       lambda q, k, **_: SMALL_BLOCKS.clipped(q.shape[1], k.shape[1]))
+  return "xla" if impl == XLA_TILES else impl
 
 
 def _inputs(b, tq, tk, hq, hkv, d, seed=0, dtype=jnp.float32):
@@ -75,14 +88,14 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("impl", helpers.CPU_IMPLEMENTATIONS)
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 @pytest.mark.parametrize("tq,tk,causal,window,softcap,lengths", CASES, ids=str)
 def test_features_match_torch_float64(tq, tk, causal, window, softcap, lengths, impl,
                                       small_tiles, pallas_mode):
   q, k, v, g = _inputs(2, tq, tk, 4, 2, 16, seed=tq + tk)
   kv_lengths = jnp.array([tk, max(1, tk - 11)]) if lengths else None
   kw = dict(causal=causal or False, sliding_window=window, logit_softcap=softcap,
-            kv_lengths=kv_lengths, implementation=impl)
+            kv_lengths=kv_lengths, implementation=small_tiles)
   got = helpers.jax_value_and_grads(lambda q, k, v: attention(q, k, v, **kw), (q, k, v), g)
   want = helpers.torch_value_and_grads(
       lambda q, k, v: _torch_attention(q, k, v, causal=causal, window=window, softcap=softcap,
@@ -91,7 +104,7 @@ def test_features_match_torch_float64(tq, tk, causal, window, softcap, lengths, 
     helpers.assert_close(a, b, what=what)
 
 
-@pytest.mark.parametrize("impl", helpers.CPU_IMPLEMENTATIONS)
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 def test_features_with_a_bias_match_torch_float64(impl, small_tiles, pallas_mode):
   """The bias is added after the soft-cap: its gradient is taken before the cap's factor."""
   tq, tk = 29, 45
@@ -102,7 +115,7 @@ def test_features_with_a_bias_match_torch_float64(impl, small_tiles, pallas_mode
   got = helpers.jax_value_and_grads(
       lambda q, k, v, bias: attention(q, k, v, bias=bias, causal=kw["causal"],
                                       sliding_window=kw["window"], logit_softcap=kw["softcap"],
-                                      kv_lengths=kv_lengths, implementation=impl),
+                                      kv_lengths=kv_lengths, implementation=small_tiles),
       (q, k, v, bias), g)
   want = helpers.torch_value_and_grads(
       lambda q, k, v, bias: _torch_attention(q, k, v, bias=bias, **kw), (q, k, v, bias), g,
@@ -111,7 +124,7 @@ def test_features_with_a_bias_match_torch_float64(impl, small_tiles, pallas_mode
     helpers.assert_close(a, b, what=what)
 
 
-@pytest.mark.parametrize("impl", helpers.CPU_IMPLEMENTATIONS)
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: jnp.dtype(d).name)
 def test_features_in_low_precision_within_twice_torch_error(dtype, impl, small_tiles,
                                                             pallas_mode):
@@ -119,7 +132,8 @@ def test_features_in_low_precision_within_twice_torch_error(dtype, impl, small_t
   kw = dict(causal="bottom_right", window=10, softcap=4.0)
   got = helpers.jax_value_and_grads(
       lambda q, k, v: attention(q, k, v, causal=kw["causal"], sliding_window=kw["window"],
-                                logit_softcap=kw["softcap"], implementation=impl), (q, k, v), g)
+                                logit_softcap=kw["softcap"], implementation=small_tiles),
+      (q, k, v), g)
   twin = lambda q, k, v: _torch_attention(q, k, v, **kw)  # noqa: E731
   exact = helpers.torch_value_and_grads(twin, (q, k, v), g, torch.float64)
   low = helpers.torch_value_and_grads(twin, (q, k, v), g)
@@ -128,7 +142,7 @@ def test_features_in_low_precision_within_twice_torch_error(dtype, impl, small_t
     helpers.assert_within_low_precision_error(a, e, t, what=what)
 
 
-@pytest.mark.parametrize("impl", helpers.CPU_IMPLEMENTATIONS)
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 def test_decoding_from_a_cache_equals_the_full_forward(impl, small_tiles, pallas_mode):
   """Prefill a prompt into a key/value buffer, then feed one query at a time with
   causal='bottom_right' and kv_lengths: each output equals that row of full causal attention
@@ -138,7 +152,7 @@ def test_decoding_from_a_cache_equals_the_full_forward(impl, small_tiles, pallas
   q, k, v, _ = _inputs(b, t, t, hq, hkv, d, seed=5)
   run = jax.jit(lambda q, k, v, lengths: attention(
       q, k, v, causal="bottom_right", kv_lengths=lengths, sliding_window=9,
-      implementation=impl), compiler_options=helpers.FAST_COMPILE)
+      implementation=small_tiles), compiler_options=helpers.FAST_COMPILE)
   full = jax.jit(lambda q, k, v: attention(q, k, v, causal=True, sliding_window=9,
                                            implementation="xla"),
                  compiler_options=helpers.FAST_COMPILE)(q, k, v)
@@ -201,6 +215,42 @@ def test_sliding_window_skips_the_tiles_outside(window):
               {key // blk for r in range(q * blk, (q + 1) * blk)
                for key in range(max(0, r - window + 1), r + 1)}]
       assert list(range(qlo, qhi)) == seen, (j, qlo, qhi)
+
+
+@pytest.mark.parametrize("causal, window, lengths", [
+    ("top_left", None, False), ("top_left", 5, False), ("bottom_right", None, False),
+    ("bottom_right", 7, False), ("bottom_right", 7, True), (None, None, False)], ids=str)
+@pytest.mark.parametrize("tq, tk", [(37, 37), (20, 53), (53, 20)])
+def test_strips_span_exactly_the_keys_and_queries_they_may_need(tq, tk, causal, window, lengths):
+  """The strip path's spans: for a strip of queries, from the first to the last key that one
+  of them sees at some allowed offset (every kv length with kv_lengths); for a strip of keys,
+  likewise the queries."""
+  un = xla._Units(q=None, k=None, v=None, key_bias=None, q_seg=None, kv_seg=None, bias=None,
+                  kv_lengths=jnp.zeros(1) if lengths else None, b=1, tq=tq, tk=tk, hq=1,
+                  hkv=1, g=1, d=8, blk=1)
+
+  class Cfg:
+    causal, sliding_window = None, None
+
+  Cfg.causal, Cfg.sliding_window = causal, window
+  spans = xla._Spans(un, Cfg)
+  kv_lens = range(tk + 1) if lengths else [tk]
+
+  def sees(r, key):
+    return any(key < n and (causal is None or (
+        key <= r + (n - tq if causal == "bottom_right" else 0) and
+        (window is None or key > r + (n - tq if causal == "bottom_right" else 0) - window)))
+        for n in kv_lens)
+
+  for height in (1, 6, 16):
+    for qs, qn in xla._strips(tq, height):
+      needed = [key for key in range(tk) if any(sees(r, key) for r in range(qs, qs + qn))]
+      lo, hi = spans.keys_of(qs, qn)
+      assert (lo, hi) == ((needed[0], needed[-1] + 1) if needed else (lo, lo)), (qs, qn)
+    for ks, kn in xla._strips(tk, height):
+      needed = [r for r in range(tq) if any(sees(r, key) for key in range(ks, ks + kn))]
+      lo, hi = spans.queries_of(ks, kn)
+      assert (lo, hi) == ((needed[0], needed[-1] + 1) if needed else (lo, lo)), (ks, kn)
 
 
 def test_bad_feature_arguments_are_named():

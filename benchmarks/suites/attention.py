@@ -81,8 +81,8 @@ class _Torch:
     return harness.torch_residual_bytes(self.forward, self.args)
 
 
-# On CPUs the wall time of torch's kernel comes from all cores (OpenMP), while XLA runs the tiled
-# jaxfuse program on one; the CPU seconds per step show each one's efficiency.
+# On CPUs the wall time of torch's kernel comes from all cores (OpenMP), and XLA splits only its
+# larger products over them; the CPU seconds per step show each one's efficiency.
 CPU_TIMED = ("torch-sdpa", "jaxfuse-xla")
 
 

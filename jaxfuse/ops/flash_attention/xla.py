@@ -1,17 +1,23 @@
 """The XLA path of attention: the flash algorithm in plain ``jax.lax``, for CPUs.
 
-The work is split into units, one per (batch, kv head), walked by lax.map so that a unit's
-tiles stay in cache. A unit holds the G = heads // kv_heads query heads that share its keys:
-a query tile is [block rows x G heads] flattened to block * G rows (row r is query position
-r // G of head r % G), so every score tile is one [block * G, block] matmul. The forward keeps
-a running row maximum, row sum and output per query tile (the online softmax); the backward
-walks the key tiles, recomputing each score tile from the saved log-sum-exp.
+The work is split into units, one per (batch, kv head), walked by lax.map. A unit holds the
+G = heads // kv_heads query heads that share its keys: a span of query positions is flattened
+to [positions x G heads] rows (row r is position r // G of head r % G), so every score block
+is one matmul. Each unit runs one of two paths, chosen by the lengths (:func:`strip_height`):
 
-Sequences are padded to a multiple of the block. Padded keys (and keys past kv_lengths) get a
--inf key bias; padded query rows get zero q and do and an lse of +inf, so they contribute
-nothing to the backward and are sliced off. Tiles that the causal mask excludes are skipped.
+- Strips, up to a few thousand positions. The unit's work is unrolled into strips of static
+  shape. The forward takes each strip of queries against every key one of them may see
+  (:class:`_Spans`: for causal attention, the keys up to the strip's end) in one product and
+  one softmax; the backward takes each strip of keys against every query that may see it,
+  recomputing the probabilities from the saved log-sum-exp. Nothing is padded, the products
+  are wide enough for XLA:CPU to split over the cores, and a few units run together (vmapped).
+- Tiles, beyond. Square tiles in lax loops: the forward keeps a running row maximum, row sum
+  and output per query tile (the online softmax); the backward walks the key tiles. Sequences
+  are padded to a multiple of the tile. Padded keys (and keys past kv_lengths) get a -inf key
+  bias; padded query rows get zero q and do and an lse of +inf, so they contribute nothing
+  to the backward and are sliced off. Tiles that the causal mask excludes are skipped.
 
-The loops have bounds that depend on the data (kv_lengths) and on the tile (causal), so this
+The tile loops have bounds that depend on the data (kv_lengths) and on the tile (causal), so this
 code is differentiated once, by its own backward; second-order gradients go through the
 reference (see :mod:`jaxfuse.ops.flash_attention.op`).
 """
@@ -28,7 +34,7 @@ from jax import lax
 from jaxfuse.ops import activations
 from jaxfuse.ops.partitioning import vary_like
 
-# Query and key tile of the XLA path. XLA:CPU runs the tile loop on one thread and splits only
+# Query and key tile of the tile path. XLA:CPU runs the tile loop on one thread and splits only
 # a large matmul over its cores, so long sequences use 512-wide tiles (their [512 x 512] x 64
 # matmuls use every core) and everything else 128-wide ones (a tile's scores stay in L2).
 # Measured on a 2-core Xeon, 8 heads, head dim 64, fwd+bwd, as a multiple of torch SDPA:
@@ -37,9 +43,28 @@ from jaxfuse.ops.partitioning import vary_like
 XLA_BLOCK = 128
 XLA_LONG_BLOCK = 512
 
+# The strip path. Up to a few thousand positions a unit's work is unrolled into strips of
+# static shape: the forward takes each strip of queries against every key any of them may
+# see (for causal attention, the keys up to the strip's end) in one product and one softmax;
+# the backward takes each strip of keys against every query that may see it. The products are
+# wide enough for XLA:CPU to split over the cores, there are no loop steps, and several units
+# are vmapped together. Measured on a 2-core Xeon, causal, batch 1, 8 heads, head dim 64,
+# forward + backward, least of 20 interleaved runs, strips / tiles / torch SDPA: T=256 4.7 /
+# 5.9 / 4.2 ms; T=512 14.0 / 16.4 / 13.4; T=1024 34.7 / 41.2 / 37.0; T=2048 135 / 133 / 121;
+# T=4096 504 / 484 / 446. Vmapping more units than XLA_STRIP_BATCH_SCORES allows was slower
+# (T=1024: 2 units 33.5 ms, 8 units 56.7).
+XLA_STRIP_ROWS = 128            # rows of a strip (positions x query heads of a kv head)
+XLA_STRIP_LONG_ROWS = 256       # ... above XLA_STRIP_LONG_FROM positions
+XLA_STRIP_LONG_FROM = 1024
+XLA_MAX_STRIPS = 32             # strips are unrolled: longer sequences get taller strips
+XLA_STRIP_MAX_LENGTH = 2048     # longer sequences run the tile path (as fast at T=4096)
+XLA_STRIP_MAX_SCORES = 1 << 21  # score elements of one strip, above which the tile path runs
+XLA_STRIP_BATCH_SCORES = 1 << 18  # score elements of the units computed together
+
 
 def xla_block_size(tq: int, tk: int) -> int:
-  """Tile of the XLA path for these lengths: the long tile where it adds at most 1/8 padding."""
+  """Tile of the tile path for these lengths: the long tile where it adds at most 1/8
+  padding."""
   def padded(t, blk):
     return -(-t // blk) * blk
 
@@ -101,11 +126,13 @@ def _pad_to(x, axis, size, value=0):
   return jnp.pad(x, widths, constant_values=value)
 
 
-def _prepare_units(q, k, v, q_seg, kv_seg, kv_lengths, bias, cfg, scale_q=True):
+def _prepare_units(q, k, v, q_seg, kv_seg, kv_lengths, bias, cfg, scale_q=True, blk=None):
+  """The inputs as units, the sequences padded to a multiple of ``blk`` (the tile path's
+  tile; 1 for the strip path, which pads nothing)."""
   b, tq, hq, d = q.shape
   tk, hkv = k.shape[1], k.shape[2]
   g = hq // hkv
-  blk = cfg.xla_block
+  blk = blk or cfg.xla_block
   tqp, tkp = -(-tq // blk) * blk, -(-tk // blk) * blk
   f32 = jnp.float32
   qf = q.astype(f32) * cfg.scale if scale_q else q.astype(f32)
@@ -129,6 +156,69 @@ def _prepare_units(q, k, v, q_seg, kv_seg, kv_lengths, bias, cfg, scale_q=True):
     bias = _pad_to(_pad_to(bias.astype(f32), 2, tqp), 3, tkp)
   return _Units(qu, kv_units(k), kv_units(v), key_bias, q_seg, kv_seg, bias, kv_lengths,
                 b, tq, tk, hq, hkv, g, d, blk)
+
+
+def strip_height(tq: int, tk: int, groups: int = 1) -> int | None:
+  """Query (forward) and key (backward) positions per strip of the strip path, or None where
+  the tile path runs: beyond :data:`XLA_STRIP_MAX_LENGTH` positions, or where a strip's scores
+  would pass :data:`XLA_STRIP_MAX_SCORES`."""
+  t = max(tq, tk)
+  if t > XLA_STRIP_MAX_LENGTH:
+    return None
+  rows = XLA_STRIP_ROWS if t <= XLA_STRIP_LONG_FROM else XLA_STRIP_LONG_ROWS
+  height = max(1, rows // groups, -(-t // XLA_MAX_STRIPS))
+  if height * groups * t > XLA_STRIP_MAX_SCORES:
+    return None
+  return min(height, t)
+
+
+def _strips(t: int, height: int) -> list[tuple[int, int]]:
+  """``(start, width)`` of the strips of ``t`` positions; the last one may be narrower."""
+  return [(s, min(height, t - s)) for s in range(0, t, height)]
+
+
+def _unit_batch(un: _Units, height: int | None) -> int | None:
+  """Units computed together (vmapped) on the strip path: as many as keep their strips'
+  scores within :data:`XLA_STRIP_BATCH_SCORES`; None (one at a time) on the tile path."""
+  if not height:
+    return None
+  per_unit = height * un.g * max(un.tq, un.tk)
+  batch = min(un.q.shape[0], XLA_STRIP_BATCH_SCORES // per_unit)
+  return batch if batch > 1 else None
+
+
+class _Spans:
+  """The strip path's static spans: for a strip of queries the keys that any of them may see,
+  for a strip of keys the queries that may see any of them, over every offset the causal
+  alignment allows (kv_lengths make bottom-right's offset a traced value). Scores outside
+  the masks inside a span are masked by :meth:`_Tiles.span_scores`."""
+
+  def __init__(self, un: _Units, cfg):
+    self.tq, self.tk = un.tq, un.tk
+    self.causal = cfg.causal is not None
+    self.window = cfg.sliding_window
+    self.masked = self.causal
+    if cfg.causal == "bottom_right":   # offset kv_len - tq, kv_len in [0, tk]
+      hi = un.tk - un.tq
+      self.offsets = (hi if un.kv_lengths is None else -un.tq, hi)
+    else:
+      self.offsets = (0, 0)
+
+  def keys_of(self, qs: int, qn: int) -> tuple[int, int]:
+    if not self.causal:
+      return 0, self.tk
+    o_min, o_max = self.offsets
+    hi = min(self.tk, max(0, qs + qn + o_max))
+    lo = 0 if self.window is None else min(hi, max(0, qs + o_min - self.window + 1))
+    return lo, hi
+
+  def queries_of(self, ks: int, kn: int) -> tuple[int, int]:
+    if not self.causal:
+      return 0, self.tq
+    o_min, o_max = self.offsets
+    lo = min(self.tq, max(0, ks - o_max))
+    hi = self.tq if self.window is None else ks + kn - 1 - o_min + self.window
+    return lo, max(lo, min(self.tq, hi))
 
 
 def _floor_div(a, b):
@@ -155,7 +245,6 @@ class _Tiles:
     self.kvh = u % un.hkv
     blk, g = un.blk, un.g
     self.rows = blk * g
-    self.row_pos = jnp.arange(self.rows) // g     # query position within the tile
     self.bias = None
     if un.bias is not None:
       bb, hb = un.bias.shape[:2]
@@ -232,33 +321,40 @@ class _Tiles:
     ``transposed``. Returns ``(scores, dcap)``: ``dcap`` is the soft-cap's derivative (None
     without one), which the backward multiplies into ``ds``.
     """
-    blk, g = self.un.blk, self.un.g
-    qs, ks = i * blk, j * blk
+    blk = self.un.blk
+    return self.span_scores(s, i * blk, blk, j * blk, blk, masked, transposed)
+
+  def span_scores(self, s, qs, qn, ks, kn, masked, transposed=False):
+    """:meth:`scores` of the queries ``[qs, qs + qn)`` and keys ``[ks, ks + kn)`` (widths
+    static, starts static or traced): ``s`` is [qn * g, kn], or [kn, qn * g] with
+    ``transposed``."""
+    g = self.un.g
+    rows = qn * g
     dcap = None
     if self.cfg.softcap is not None:
       cap = self.cfg.softcap
       t = activations.tanh(s * (1.0 / cap))
       s, dcap = cap * t, 1.0 - t * t
     if self.bias is not None:
-      tile = lax.dynamic_slice(self.bias, (0, qs, ks), (self.bias.shape[0], blk, blk))
-      if transposed:   # [gb, q, k] -> [k, q, g] -> [blk, rows]
-        tile = jnp.broadcast_to(tile.transpose(2, 1, 0), (blk, blk, g)).reshape(blk, self.rows)
-      else:            # [gb, q, k] -> [q, g, k] -> [rows, blk]
-        tile = jnp.broadcast_to(tile.transpose(1, 0, 2), (blk, g, blk)).reshape(self.rows, blk)
+      tile = lax.dynamic_slice(self.bias, (0, qs, ks), (self.bias.shape[0], qn, kn))
+      if transposed:   # [gb, q, k] -> [k, q, g] -> [kn, rows]
+        tile = jnp.broadcast_to(tile.transpose(2, 1, 0), (kn, qn, g)).reshape(kn, rows)
+      else:            # [gb, q, k] -> [q, g, k] -> [rows, kn]
+        tile = jnp.broadcast_to(tile.transpose(1, 0, 2), (qn, g, kn)).reshape(rows, kn)
       s = s + tile
     if self.key_bias is not None:
-      kb = lax.dynamic_slice_in_dim(self.key_bias, ks, blk)
+      kb = lax.dynamic_slice_in_dim(self.key_bias, ks, kn)
       s = s + (kb[:, None] if transposed else kb[None, :])
     mask = None
     if masked:  # a tile that the causal or window boundary crosses
-      row = qs + self.row_pos[:, None] + self.offset
-      key = ks + jnp.arange(blk)[None, :]
+      row = qs + jnp.arange(rows)[:, None] // g + self.offset
+      key = ks + jnp.arange(kn)[None, :]
       mask = key <= row
       if self.window is not None:
         mask = mask & (key > row - self.window)
     if self.q_seg is not None:
-      qseg = jnp.repeat(lax.dynamic_slice_in_dim(self.q_seg, qs, blk), g)
-      same = qseg[:, None] == lax.dynamic_slice_in_dim(self.kv_seg, ks, blk)[None, :]
+      qseg = jnp.repeat(lax.dynamic_slice_in_dim(self.q_seg, qs, qn), g)
+      same = qseg[:, None] == lax.dynamic_slice_in_dim(self.kv_seg, ks, kn)[None, :]
       mask = same if mask is None else mask & same
     if mask is not None:
       s = jnp.where(mask.T if transposed else mask, s, _NEG_INF)
@@ -274,8 +370,8 @@ def _visit(lo, a, b, hi, step, carry):
   return lax.fori_loop(b, hi, masked, carry)
 
 
-def forward(q, k, v, q_seg, kv_seg, kv_lengths, bias, cfg):
-  un = _prepare_units(q, k, v, q_seg, kv_seg, kv_lengths, bias, cfg)
+def _tile_forward(un: _Units, cfg):
+  """One unit's forward on the tile path: lax loops over query and key tiles."""
   nq, blk, g, d = un.nq, un.blk, un.g, un.d
 
   def unit(args):
@@ -301,38 +397,81 @@ def forward(q, k, v, q_seg, kv_seg, kv_lengths, bias, cfg):
       carry = vary_like(carry, qu, ku, vu)
       carry = _visit(*tiles.key_tiles(i), step, carry)
       m, l, acc = carry
-      empty = l == 0
-      o = acc / jnp.where(empty, 1.0, l)[:, None]
-      lse = jnp.where(empty, jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
-      return o.reshape(blk, g, d), lse.reshape(blk, g)
+      return _normalized(m, l, acc, blk, g, d)
 
     o, lse = lax.map(q_tile, jnp.arange(nq))
     return o.reshape(nq * blk, g, d), lse.reshape(nq * blk, g)
 
+  return unit
+
+
+def _normalized(m, l, acc, qn, g, d):
+  """A query span's output and log-sum-exp from its row maximum, row sum and unnormalized
+  output; rows that saw no key get zeros and an lse of +inf."""
+  empty = l == 0
+  o = acc / jnp.where(empty, 1.0, l)[:, None]
+  lse = jnp.where(empty, jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
+  return o.reshape(qn, g, d), lse.reshape(qn, g)
+
+
+def _strip_forward(un: _Units, cfg, height: int):
+  """One unit's forward on the strip path: each strip of queries against all the keys it may
+  see, in one product and one softmax."""
+  g, d = un.g, un.d
+  spans = _Spans(un, cfg)
+
+  def unit(args):
+    u, qu, ku, vu = args
+    tiles = _Tiles(un, u, cfg)
+    outs, lses = [], []
+    for qs, qn in _strips(un.tq, height):
+      lo, hi = spans.keys_of(qs, qn)
+      if hi <= lo:   # no key is visible to these queries
+        outs.append(vary_like(jnp.zeros((qn, g, d), jnp.float32), qu, ku, vu))
+        lses.append(vary_like(jnp.full((qn, g), jnp.inf, jnp.float32), qu, ku, vu))
+        continue
+      qc = qu[qs:qs + qn].reshape(qn * g, d)
+      s, _ = tiles.span_scores(_nt(qc, ku[lo:hi]), qs, qn, lo, hi - lo, spans.masked)
+      m = jnp.max(s, axis=1)
+      p = jnp.exp(s - jnp.where(jnp.isneginf(m), 0.0, m)[:, None])
+      o, lse = _normalized(m, jnp.sum(p, axis=1), _nn(p, vu[lo:hi]), qn, g, d)
+      outs.append(o)
+      lses.append(lse)
+    return jnp.concatenate(outs), jnp.concatenate(lses)
+
+  return unit
+
+
+def forward(q, k, v, q_seg, kv_seg, kv_lengths, bias, cfg):
+  height = strip_height(q.shape[1], k.shape[1], q.shape[2] // k.shape[2])
+  un = _prepare_units(q, k, v, q_seg, kv_seg, kv_lengths, bias, cfg, blk=height and 1)
+  unit = _strip_forward(un, cfg, height) if height else _tile_forward(un, cfg)
   units = jnp.arange(un.q.shape[0])
-  o, lse = lax.map(unit, (units, un.q, un.k, un.v))
-  b, tq, hq, hkv = un.b, un.tq, un.hq, un.hkv
+  o, lse = lax.map(unit, (units, un.q, un.k, un.v), batch_size=_unit_batch(un, height))
+  b, tq, hq, hkv, g, d = un.b, un.tq, un.hq, un.hkv, un.g, un.d
   o = o[:, :tq].reshape(b, hkv, tq, g, d).transpose(0, 2, 1, 3, 4).reshape(b, tq, hq, d)
   lse = lse[:, :tq].reshape(b, hkv, tq, g).transpose(0, 1, 3, 2).reshape(b, hq, tq)
   return o.astype(q.dtype), lse
 
 
-def backward(q, k, v, q_seg, kv_seg, kv_lengths, bias, o, lse, do, cfg):
-  un = _prepare_units(q, k, v, q_seg, kv_seg, kv_lengths, bias, cfg)
+def _dbias_added(dbias_acc, full, un: _Units, tiles: _Tiles):
+  """``dbias_acc`` plus one unit's bias gradient ``full`` [g, tqp, tkp], summed over the heads
+  a head-broadcast bias spans."""
+  bb, hb = un.bias.shape[:2]
+  if hb == 1:
+    full = jnp.sum(full, axis=0, keepdims=True)
+  at_b = tiles.bi if bb > 1 else 0
+  at_h = tiles.kvh * un.g if hb > 1 else 0
+  current = lax.dynamic_slice(dbias_acc, (at_b, at_h, 0, 0), (1,) + full.shape)
+  return lax.dynamic_update_slice(dbias_acc, current + full[None], (at_b, at_h, 0, 0))
+
+
+def _tile_backward(un: _Units, cfg):
+  """One unit's backward on the tile path (carry: the bias gradient or None)."""
   nq, nk, blk, g, d = un.nq, un.nk, un.blk, un.g, un.d
-  b, tq, tk, hq, hkv = un.b, un.tq, un.tk, un.hq, un.hkv
   tqp = nq * blk
   f32 = jnp.float32
-
-  def rows_of(x):  # [b, tq, hq, d] -> [units, tqp * g, d]
-    x = x.astype(f32).reshape(b, tq, hkv, g, d).transpose(0, 2, 1, 3, 4)
-    return _pad_to(x, 2, tqp).reshape(b * hkv, tqp * g, d)
-
-  o_u, do_u = rows_of(o), rows_of(do)
-  lse_u = lse.reshape(b, hkv, g, tq).transpose(0, 1, 3, 2)
-  lse_u = _pad_to(lse_u, 2, tqp, jnp.inf).reshape(b * hkv, tqp * g)
-  delta_u = jnp.sum(o_u * do_u, axis=-1)
-  with_bias = bias is not None
+  with_bias = un.bias is not None
 
   def unit(dbias_acc, args):
     u, qu, ku, vu, dou, lseu, deltau = args
@@ -381,26 +520,88 @@ def backward(q, k, v, q_seg, kv_seg, kv_lengths, bias, o, lse, do, cfg):
     dqt, (dk, dv, dbias_cols) = lax.scan(k_tile, dqt0, jnp.arange(nk))
     if with_bias:
       full = dbias_cols.transpose(1, 2, 0, 3).reshape(g, tqp, nk * blk)
-      bb, hb = un.bias.shape[:2]
-      if hb == 1:
-        full = jnp.sum(full, axis=0, keepdims=True)
-      at_b = tiles.bi if bb > 1 else 0
-      at_h = tiles.kvh * g if hb > 1 else 0
-      current = lax.dynamic_slice(dbias_acc, (at_b, at_h, 0, 0), (1,) + full.shape)
-      dbias_acc = lax.dynamic_update_slice(dbias_acc, current + full[None], (at_b, at_h, 0, 0))
+      dbias_acc = _dbias_added(dbias_acc, full, un, tiles)
     return dbias_acc, (dqt.T, dk.reshape(-1, d), dv.reshape(-1, d))
 
-  dbias0 = vary_like(jnp.zeros(un.bias.shape, f32), q, k, v, do) if with_bias else None
+  return unit
+
+
+def _strip_backward(un: _Units, cfg, height: int):
+  """One unit's backward on the strip path (carry: the bias gradient or None): each strip of
+  keys against all the queries that may see it."""
+  g, d, tq, tk = un.g, un.d, un.tq, un.tk
+  f32 = jnp.float32
+  with_bias = un.bias is not None
+  spans = _Spans(un, cfg)
+
+  def unit(dbias_acc, args):
+    u, qu, ku, vu, dou, lseu, deltau = args
+    tiles = _Tiles(un, u, cfg)
+    qr = qu.reshape(tq * g, d)
+    kt = ku.T   # dq is accumulated transposed, so that its product is a plain one
+    dqt = vary_like(jnp.zeros((d, tq * g), f32), qu, ku, vu, dou)
+    full = vary_like(jnp.zeros((g, tq, tk), f32), qu, ku, vu, dou) if with_bias else None
+    dks, dvs = [], []
+    for ks, kn in _strips(tk, height):
+      qlo, qhi = spans.queries_of(ks, kn)
+      if qhi <= qlo:   # no query sees these keys
+        dks.append(vary_like(jnp.zeros((kn, d), f32), qu, ku, vu, dou))
+        dvs.append(dks[-1])
+        continue
+      r0, r1 = qlo * g, qhi * g
+      kj, vj = ku[ks:ks + kn], vu[ks:ks + kn]
+      qc, doc = qr[r0:r1], dou[r0:r1]
+      st, dcap = tiles.span_scores(_nt(kj, qc), qlo, qhi - qlo, ks, kn, spans.masked,
+                                   transposed=True)
+      pt = jnp.exp(st - lseu[None, r0:r1])
+      dst = pt * (_nt(vj, doc) - deltau[None, r0:r1])
+      dvs.append(_nn(pt, doc))
+      if with_bias:
+        tile = dst.T.reshape(qhi - qlo, g, kn).transpose(1, 0, 2)
+        full = lax.dynamic_update_slice(full, tile, (0, qlo, ks))
+      if dcap is not None:   # through the soft-cap: the bias's gradient is taken before it
+        dst = dst * dcap
+      dks.append(_nn(dst, qc))
+      # (.at[].add would bring an index constant, which custom_partitioning refuses)
+      dq_part = lax.slice_in_dim(dqt, r0, r1, axis=1) + _nn(kt[:, ks:ks + kn], dst)
+      dqt = lax.dynamic_update_slice_in_dim(dqt, dq_part, r0, 1)
+    if with_bias:
+      dbias_acc = _dbias_added(dbias_acc, full, un, tiles)
+    return dbias_acc, (dqt.T, jnp.concatenate(dks), jnp.concatenate(dvs))
+
+  return unit
+
+
+def backward(q, k, v, q_seg, kv_seg, kv_lengths, bias, o, lse, do, cfg):
+  height = strip_height(q.shape[1], k.shape[1], q.shape[2] // k.shape[2])
+  un = _prepare_units(q, k, v, q_seg, kv_seg, kv_lengths, bias, cfg, blk=height and 1)
+  b, tq, tk, hq, hkv, g, d = un.b, un.tq, un.tk, un.hq, un.hkv, un.g, un.d
+  tqp = un.q.shape[1]
+  f32 = jnp.float32
+
+  def rows_of(x):  # [b, tq, hq, d] -> [units, tqp * g, d]
+    x = x.astype(f32).reshape(b, tq, hkv, g, d).transpose(0, 2, 1, 3, 4)
+    return _pad_to(x, 2, tqp).reshape(b * hkv, tqp * g, d)
+
+  o_u, do_u = rows_of(o), rows_of(do)
+  lse_u = lse.reshape(b, hkv, g, tq).transpose(0, 1, 3, 2)
+  lse_u = _pad_to(lse_u, 2, tqp, jnp.inf).reshape(b * hkv, tqp * g)
+  delta_u = jnp.sum(o_u * do_u, axis=-1)
+  unit = _strip_backward(un, cfg, height) if height else _tile_backward(un, cfg)
   units = jnp.arange(b * hkv)
-  dbias, (dq, dk, dv) = lax.scan(unit, dbias0,
-                                 (units, un.q, un.k, un.v, do_u, lse_u, delta_u))
+  xs = (units, un.q, un.k, un.v, do_u, lse_u, delta_u)
+  if bias is not None:   # the units add into one bias gradient, one after the other
+    dbias0 = vary_like(jnp.zeros(un.bias.shape, f32), q, k, v, do)
+    dbias, (dq, dk, dv) = lax.scan(unit, dbias0, xs)
+  else:
+    dbias = None
+    dq, dk, dv = lax.map(lambda a: unit(None, a)[1], xs, batch_size=_unit_batch(un, height))
   dq = dq.reshape(b, hkv, tqp, g, d)[:, :, :tq].transpose(0, 2, 1, 3, 4).reshape(b, tq, hq, d)
   dq = (dq * cfg.scale).astype(q.dtype)
 
   def back(x):
     return x.reshape(b, hkv, -1, d)[:, :, :tk].transpose(0, 2, 1, 3).astype(k.dtype)
 
-  if with_bias:
+  if bias is not None:
     dbias = dbias[:, :, :tq, :tk].astype(bias.dtype)
   return dq, back(dk), back(dv), dbias
-
