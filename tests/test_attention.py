@@ -202,6 +202,20 @@ def test_empty_sequences():
   assert jnp.array_equal(attention(q, k, v), jnp.zeros_like(q))
 
 
+def test_xla_strips_up_to_2048_positions_and_at_most_32_of_them():
+  from jaxfuse.ops.flash_attention.xla import XLA_STRIP_MAX_LENGTH, strip_height
+
+  assert XLA_STRIP_MAX_LENGTH == 2048
+  assert strip_height(77, 77) == 77                 # one strip covers a short sequence
+  assert strip_height(1024, 1024) == 128
+  assert strip_height(1024, 1024, groups=4) == 32   # 128 rows: 32 positions x 4 query heads
+  assert strip_height(2048, 2048) == 256            # taller strips beyond 1024 positions
+  assert strip_height(2048, 2048, groups=8) == 64   # at most 32 strips
+  assert strip_height(1, 2048) == 256               # decoding: one strip of queries
+  assert strip_height(2049, 2049) is None           # the tile loops beyond
+  assert strip_height(1, 4096) is None
+
+
 def test_xla_tiles_grow_only_where_padding_stays_small():
   from jaxfuse.ops.flash_attention import XLA_BLOCK, XLA_LONG_BLOCK, xla_block_size
 

@@ -19,7 +19,7 @@ from tests import helpers
 SMALL_BLOCKS = BlockSizes(16, 32, 32, 16, 16, 32)
 
 
-# The XLA path runs strips up to a few thousand positions and tile loops beyond; "xla-tiles"
+# The XLA path runs strips up to 2048 positions and tile loops beyond; "xla-tiles"
 # runs the tile loops at these short lengths.
 XLA_TILES = "xla-tiles"
 IMPLEMENTATIONS = (*helpers.CPU_IMPLEMENTATIONS, XLA_TILES)

@@ -5,20 +5,21 @@ G = heads // kv_heads query heads that share its keys: a span of query positions
 to [positions x G heads] rows (row r is position r // G of head r % G), so every score block
 is one matmul. Each unit runs one of two paths, chosen by the lengths (:func:`strip_height`):
 
-- Strips, up to a few thousand positions. The unit's work is unrolled into strips of static
-  shape. The forward takes each strip of queries against every key one of them may see
-  (:class:`_Spans`: for causal attention, the keys up to the strip's end) in one product and
-  one softmax; the backward takes each strip of keys against every query that may see it,
-  recomputing the probabilities from the saved log-sum-exp. Nothing is padded, the products
-  are wide enough for XLA:CPU to split over the cores, and a few units run together (vmapped).
+- Strips, up to 2048 positions (:data:`XLA_STRIP_MAX_LENGTH`). The work is unrolled into
+  strips of static shape. The forward takes each strip of queries against every key one of
+  them may see (:class:`_Spans`: for causal attention, the keys up to the strip's end) in one
+  product and one softmax; the backward takes each strip of keys against every query that
+  may see it, recomputing the probabilities from the saved log-sum-exp. Nothing is padded,
+  the products are wide enough for XLA:CPU to split over the cores, and a few units run
+  together (vmapped).
 - Tiles, beyond. Square tiles in lax loops: the forward keeps a running row maximum, row sum
   and output per query tile (the online softmax); the backward walks the key tiles. Sequences
   are padded to a multiple of the tile. Padded keys (and keys past kv_lengths) get a -inf key
   bias; padded query rows get zero q and do and an lse of +inf, so they contribute nothing
   to the backward and are sliced off. Tiles that the causal mask excludes are skipped.
 
-The tile loops have bounds that depend on the data (kv_lengths) and on the tile (causal), so this
-code is differentiated once, by its own backward; second-order gradients go through the
+The tile loops have bounds that depend on the data (kv_lengths) and on the tile (causal), so
+this code is differentiated once, by its own backward; second-order gradients go through the
 reference (see :mod:`jaxfuse.ops.flash_attention.op`).
 """
 
@@ -43,7 +44,7 @@ from jaxfuse.ops.partitioning import vary_like
 XLA_BLOCK = 128
 XLA_LONG_BLOCK = 512
 
-# The strip path. Up to a few thousand positions a unit's work is unrolled into strips of
+# The strip path. Up to 2048 positions a unit's work is unrolled into strips of
 # static shape: the forward takes each strip of queries against every key any of them may
 # see (for causal attention, the keys up to the strip's end) in one product and one softmax;
 # the backward takes each strip of keys against every query that may see it. The products are
@@ -59,7 +60,8 @@ XLA_STRIP_LONG_FROM = 1024
 XLA_MAX_STRIPS = 32             # strips are unrolled: longer sequences get taller strips
 XLA_STRIP_MAX_LENGTH = 2048     # longer sequences run the tile path (as fast at T=4096)
 XLA_STRIP_MAX_SCORES = 1 << 21  # score elements of one strip, above which the tile path runs
-XLA_STRIP_BATCH_SCORES = 1 << 18  # score elements of the units computed together
+XLA_STRIP_BATCH_SCORES = 1 << 18  # score elements of the units computed together: forward
+XLA_STRIP_BACKWARD_BATCH_SCORES = 1 << 18  # ... backward
 
 
 def xla_block_size(tq: int, tk: int) -> int:
@@ -177,13 +179,13 @@ def _strips(t: int, height: int) -> list[tuple[int, int]]:
   return [(s, min(height, t - s)) for s in range(0, t, height)]
 
 
-def _unit_batch(un: _Units, height: int | None) -> int | None:
+def _unit_batch(un: _Units, height: int | None, budget: int) -> int | None:
   """Units computed together (vmapped) on the strip path: as many as keep their strips'
-  scores within :data:`XLA_STRIP_BATCH_SCORES`; None (one at a time) on the tile path."""
+  scores within ``budget``; None (one at a time) on the tile path."""
   if not height:
     return None
   per_unit = height * un.g * max(un.tq, un.tk)
-  batch = min(un.q.shape[0], XLA_STRIP_BATCH_SCORES // per_unit)
+  batch = min(un.q.shape[0], budget // per_unit)
   return batch if batch > 1 else None
 
 
@@ -447,7 +449,8 @@ def forward(q, k, v, q_seg, kv_seg, kv_lengths, bias, cfg):
   un = _prepare_units(q, k, v, q_seg, kv_seg, kv_lengths, bias, cfg, blk=height and 1)
   unit = _strip_forward(un, cfg, height) if height else _tile_forward(un, cfg)
   units = jnp.arange(un.q.shape[0])
-  o, lse = lax.map(unit, (units, un.q, un.k, un.v), batch_size=_unit_batch(un, height))
+  o, lse = lax.map(unit, (units, un.q, un.k, un.v),
+                   batch_size=_unit_batch(un, height, XLA_STRIP_BATCH_SCORES))
   b, tq, hq, hkv, g, d = un.b, un.tq, un.hq, un.hkv, un.g, un.d
   o = o[:, :tq].reshape(b, hkv, tq, g, d).transpose(0, 2, 1, 3, 4).reshape(b, tq, hq, d)
   lse = lse[:, :tq].reshape(b, hkv, tq, g).transpose(0, 1, 3, 2).reshape(b, hq, tq)
@@ -595,7 +598,8 @@ def backward(q, k, v, q_seg, kv_seg, kv_lengths, bias, o, lse, do, cfg):
     dbias, (dq, dk, dv) = lax.scan(unit, dbias0, xs)
   else:
     dbias = None
-    dq, dk, dv = lax.map(lambda a: unit(None, a)[1], xs, batch_size=_unit_batch(un, height))
+    dq, dk, dv = lax.map(lambda a: unit(None, a)[1], xs,
+                         batch_size=_unit_batch(un, height, XLA_STRIP_BACKWARD_BATCH_SCORES))
   dq = dq.reshape(b, hkv, tqp, g, d)[:, :, :tq].transpose(0, 2, 1, 3, 4).reshape(b, tq, hq, d)
   dq = (dq * cfg.scale).astype(q.dtype)
 
