@@ -52,8 +52,8 @@ XLA_LONG_BLOCK = 512
 # are vmapped together. Measured on a 2-core Xeon, causal, batch 1, 8 heads, head dim 64,
 # forward + backward, least of 20 interleaved runs, strips / tiles / torch SDPA: T=256 4.7 /
 # 5.9 / 4.2 ms; T=512 14.0 / 16.4 / 13.4; T=1024 34.7 / 41.2 / 37.0; T=2048 135 / 133 / 121;
-# T=4096 504 / 484 / 446. Vmapping more units than XLA_STRIP_BATCH_SCORES allows was slower
-# (T=1024: 2 units 33.5 ms, 8 units 56.7).
+# T=4096 504 / 484 / 446. Vmapping more units was slower (T=1024, units vmapped in the
+# forward / backward: 2 / 2 42.7 ms, 2 / 1 35.0 ms, 8 / 1 51.4 ms).
 XLA_STRIP_ROWS = 128            # rows of a strip (positions x query heads of a kv head)
 XLA_STRIP_LONG_ROWS = 256       # ... above XLA_STRIP_LONG_FROM positions
 XLA_STRIP_LONG_FROM = 1024
@@ -61,7 +61,7 @@ XLA_MAX_STRIPS = 32             # strips are unrolled: longer sequences get tall
 XLA_STRIP_MAX_LENGTH = 2048     # longer sequences run the tile path (as fast at T=4096)
 XLA_STRIP_MAX_SCORES = 1 << 21  # score elements of one strip, above which the tile path runs
 XLA_STRIP_BATCH_SCORES = 1 << 18  # score elements of the units computed together: forward
-XLA_STRIP_BACKWARD_BATCH_SCORES = 1 << 18  # ... backward
+XLA_STRIP_BACKWARD_BATCH_SCORES = 1 << 16  # ... backward
 
 
 def xla_block_size(tq: int, tk: int) -> int:
