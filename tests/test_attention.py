@@ -62,6 +62,19 @@ def test_q_and_kv_lengths_differ(impl, lengths, causal, pallas_mode):
   assert_matches_torch(got, torch_step(q, k, v, g, causal=causal), f"{lengths}")
 
 
+def test_xla_strips_vmap_units_in_batches_with_a_remainder(monkeypatch):
+  """Five (batch, kv head) units computed two (forward) and three (backward) at a time: the
+  last batch holds the rest."""
+  from jaxfuse.ops.flash_attention import xla
+
+  q, k, v, g = inputs(5, 40, 40, 2, 1, 16, seed=13)
+  per_unit = xla.strip_height(40, 40, 2) * 2 * 40
+  monkeypatch.setattr(xla, "XLA_STRIP_BATCH_SCORES", 2 * per_unit)
+  monkeypatch.setattr(xla, "XLA_STRIP_BACKWARD_BATCH_SCORES", 3 * per_unit)
+  got = jax_step(q, k, v, g, "xla", causal=True)
+  assert_matches_torch(got, torch_step(q, k, v, g, causal=True), "5 units")
+
+
 @pytest.mark.parametrize("impl, d", [("xla", 256), ("pallas", 256)])
 def test_head_dim_range(impl, d, pallas_mode):
   q, k, v, g = inputs(1, 50, 50, 2, 2, d, seed=3)

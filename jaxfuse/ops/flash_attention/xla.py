@@ -448,7 +448,7 @@ def _strip_forward(un: _Units, cfg, height: int):
 
 def forward(q, k, v, q_seg, kv_seg, kv_lengths, bias, cfg):
   height = strip_height(q.shape[1], k.shape[1], q.shape[2] // k.shape[2])
-  un = _prepare_units(q, k, v, q_seg, kv_seg, kv_lengths, bias, cfg, blk=height and 1)
+  un = _prepare_units(q, k, v, q_seg, kv_seg, kv_lengths, bias, cfg, blk=1 if height else None)
   unit = _strip_forward(un, cfg, height) if height else _tile_forward(un, cfg)
   units = jnp.arange(un.q.shape[0])
   o, lse = lax.map(unit, (units, un.q, un.k, un.v),
@@ -579,7 +579,7 @@ def _strip_backward(un: _Units, cfg, height: int):
 
 def backward(q, k, v, q_seg, kv_seg, kv_lengths, bias, o, lse, do, cfg):
   height = strip_height(q.shape[1], k.shape[1], q.shape[2] // k.shape[2])
-  un = _prepare_units(q, k, v, q_seg, kv_seg, kv_lengths, bias, cfg, blk=height and 1)
+  un = _prepare_units(q, k, v, q_seg, kv_seg, kv_lengths, bias, cfg, blk=1 if height else None)
   b, tq, tk, hq, hkv, g, d = un.b, un.tq, un.tk, un.hq, un.hkv, un.g, un.d
   tqp = un.q.shape[1]
   f32 = jnp.float32
