@@ -15,8 +15,8 @@ head dims 40, 64, 128 and 256, causal or not, with or without a float32 ``[1, 8,
 (which adds the dbias kernel); the norms over 4096 rows of widths 1024, 4096, 16384 and the
 largest each implementation takes (widths past it are left out); softmax rows of 1024 and
 32768, with and without a mask; the elementwise kernels over 16M elements or 4096 x 4096; the
-linear and cross-entropy kernels at 4096 tokens; the grouped matmul at 4096 tokens over 8
-experts, 1024 -> 2816. ``--quick`` keeps a few configurations per
+linear and cross-entropy kernels at 4096 tokens; the grouped matmul, the grouped gated unit
+and the experts' whole MLP at 4096 tokens over 8 experts, 1024 -> 2816 (-> 1024). ``--quick`` keeps a few configurations per
 family. Which kernel implementations each op has, and their modules, come from its registry
 entry (``jaxfuse.ops.base.REGISTRY``).
 
@@ -256,6 +256,18 @@ def _grouped_glu(dtype: str) -> list[Config]:
                      (lhs, w, w, _spec((EXPERTS,), "int32")), n_diff=3)
 
 
+def _grouped_mlp(dtype: str) -> list[Config]:
+  """A Mixture-of-Experts block's experts: ROWS tokens over EXPERTS experts, the SwiGLU of
+  MODEL -> EXPERT_HIDDEN and the down product back to MODEL."""
+  lhs = _spec((ROWS, MODEL), dtype)
+  w, down = (_spec((EXPERTS, MODEL, EXPERT_HIDDEN), dtype),
+             _spec((EXPERTS, EXPERT_HIDDEN, MODEL), dtype))
+  return _op_configs("grouped_matmul",
+                     f"grouped_mlp[silu] {ROWS}x{MODEL}->{EXPERT_HIDDEN}->{MODEL} "
+                     f"experts={EXPERTS}", dtype, "grouped_mlp", ops.grouped_mlp,
+                     (lhs, w, w, down, _spec((EXPERTS,), "int32")), n_diff=4)
+
+
 def _qk_norm_rope(dtype: str, over: str) -> list[Config]:
   heads, d = 16, 128
   x, half = _spec((ROWS, heads, d), dtype), _spec((ROWS, d // 2), "float32")
@@ -279,7 +291,7 @@ def configs(quick: bool = False) -> list[Config]:
     out += _softmax("bfloat16", 32768, True) + _qk_norm_rope("bfloat16", "head")
     for name in ELEMENTWISE:
       out += _elementwise(name, "bfloat16")
-    out += _grouped_glu("bfloat16")
+    out += _grouped_glu("bfloat16") + _grouped_mlp("bfloat16")
     return out + _linear("bfloat16") + _cross_entropy("bfloat16") + _grouped_matmul("bfloat16")
   for dtype in DTYPES:
     for d in ATTENTION_HEAD_DIMS:
@@ -296,7 +308,7 @@ def configs(quick: bool = False) -> list[Config]:
     for name in ELEMENTWISE:
       out += _elementwise(name, dtype)
     out += _linear(dtype) + _cross_entropy(dtype) + _grouped_matmul(dtype)
-    out += _grouped_glu(dtype)
+    out += _grouped_glu(dtype) + _grouped_mlp(dtype)
   return out
 
 
@@ -314,7 +326,7 @@ def core() -> list[Config]:
   for name in ("add_act", "add_act_unfused", "relu", "bias_act", "glu"):
     out += _elementwise(name, "bfloat16")
   out += [c for c in _elementwise("glu_packed", "bfloat16") if c.kind == "triton"]
-  out += _grouped_glu("bfloat16")
+  out += _grouped_glu("bfloat16") + _grouped_mlp("bfloat16")
   return out + _linear("bfloat16") + _cross_entropy("bfloat16") + _grouped_matmul("bfloat16")
 
 

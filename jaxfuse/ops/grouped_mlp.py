@@ -24,9 +24,10 @@ tags no residual name.
 
 With kernels (Pallas, Triton) the forward is :func:`jaxfuse.ops.grouped_glu`'s fused kernel
 (the activation in the products' epilogue: ``a`` and ``b`` never reach memory) and the down
-product's kernel; the backward recomputes ``h`` with the fused kernel for ``d down`` before
-:func:`grouped_glu`'s backward kernels, which recompute the products again (two more products
-than the XLA path).
+product's kernel. The backward (``grouped_mlp_backward`` of the kernel modules) takes
+``d h = g @ down[e]^T`` first, then recomputes the gate and up products once in a kernel whose
+epilogue writes ``d a``, ``d b`` and ``h`` (for ``d down``): the same eight products as the XLA
+path, and ``a``, ``b`` never reach memory.
 """
 
 from __future__ import annotations
@@ -137,17 +138,6 @@ def grouped_mlp(lhs: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
 
 
 # Forward and backward ---------------------------------------------------------------------------
-
-
-def _parts(cfg):
-  """The configs of the two ops whose kernels this one composes, with this call's
-  implementation."""
-  glu_cfg = glu.GROUPED_GLU.config(cfg.impl, glu.GroupedGluConfig,
-                                   facts={"activation": cfg.activation},
-                                   activation=cfg.activation, precision=cfg.precision)
-  gmm_cfg = gmm.GROUPED_MATMUL.config(cfg.impl, gmm.GroupedMatmulConfig,
-                                      precision=cfg.precision)
-  return glu_cfg, gmm_cfg
 
 
 def _xla_forward(lhs, gate, up, down, group_sizes, activation, precision=None):
@@ -273,31 +263,20 @@ def _rule(*, backward: bool):
 def _fwd(cfg, lhs, gate, up, down, group_sizes):
   # Residuals: the inputs only; the backward recomputes the gate and up products once.
   residuals = (lhs, gate, up, down, group_sizes)
-  if cfg.on_kernels:
-    glu_cfg, gmm_cfg = _parts(cfg)
-    hidden = glu._forward(lhs, gate, up, group_sizes, glu_cfg)
-    return gmm._forward(hidden, down, group_sizes, gmm_cfg), residuals
   xla = functools.partial(_xla_forward, activation=cfg.activation, precision=cfg.precision)
   kernel = (functools.partial(_tiled_forward, activation=cfg.activation,
                               precision=cfg.precision) if gmm._tiles_rows() else xla)
   out = cfg.run("grouped_mlp_forward", xla, *residuals, rule=_rule(backward=False),
-                xla_kernel=kernel)
+                xla_kernel=kernel, activation=cfg.activation)
   return out, residuals
 
 
 def _bwd(cfg, residuals, g):
-  lhs, gate, up, down, group_sizes = residuals
-  if cfg.on_kernels:
-    glu_cfg, gmm_cfg = _parts(cfg)
-    hidden = glu._forward(lhs, gate, up, group_sizes, glu_cfg)
-    d_hidden, d_down, _ = gmm._backward(hidden, down, group_sizes, g, gmm_cfg)
-    dlhs, d_gate, d_up, _ = glu._backward(lhs, gate, up, group_sizes, d_hidden, glu_cfg)
-    return dlhs, d_gate, d_up, d_down, None
   xla = functools.partial(_xla_backward, activation=cfg.activation, precision=cfg.precision)
   kernel = (functools.partial(_tiled_backward, activation=cfg.activation,
                               precision=cfg.precision) if gmm._tiles_rows() else xla)
   grads = cfg.run("grouped_mlp_backward", xla, *residuals, g, rule=_rule(backward=True),
-                  xla_kernel=kernel)
+                  xla_kernel=kernel, activation=cfg.activation)
   return (*grads, None)
 
 

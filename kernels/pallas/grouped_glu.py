@@ -14,6 +14,11 @@ the two products, ``g * up_product * act'(gate_product)`` and ``g * act(gate_pro
 the inputs' dtype (zeros past the groups). The rest is the grouped matmul's kernels: ``d lhs``
 is two launches of :func:`~.grouped_matmul.gmm` reading the weights transposed (float32, summed
 by XLA and rounded once), ``d gate`` and ``d up`` two of :func:`~.grouped_matmul.tgmm`.
+
+The experts' whole MLP (``jaxfuse.ops.grouped_mlp``) adds the down product:
+:func:`grouped_mlp_backward` computes ``d hidden = g @ down[e]^T`` first, so that one
+recomputation of the products serves both halves: the same kernel's epilogue also writes the
+gated unit, which ``d down = hidden^T @ g`` reads.
 """
 
 from __future__ import annotations
@@ -32,9 +37,9 @@ from .grouped_matmul import _fit, _precision, gmm, group_metadata, tgmm
 
 
 def _kernel(meta_ref, lhs_ref, gate_ref, up_ref, *refs, fn, rows, size_k, size_n, bm, bk, bn,
-            precision, backward):
+            precision, backward, hidden):
   """One visit times one column tile: both products, then the forward's or the backward's
-  epilogue."""
+  epilogue (the backward's with ``hidden`` also writes the gated unit)."""
   v, j = pl.program_id(0), pl.program_id(1)
   tile, group, lo, hi, read_hi = (meta_ref[i, v] for i in range(5))
   row0, col0 = tile * bm, j * bn
@@ -68,7 +73,10 @@ def _kernel(meta_ref, lhs_ref, gate_ref, up_ref, *refs, fn, rows, size_k, size_n
     out = gated_linear._glu(fn, h_gate, h_up)
     pl_triton.store(tile_at(out_ref), out.astype(out_ref.dtype), mask=mask)
     return
-  g_ref, d_gate_ref, d_up_ref = refs
+  g_ref, d_gate_ref, d_up_ref, *hidden_ref = refs
+  if hidden:
+    pl_triton.store(tile_at(hidden_ref[0]),
+                    gated_linear._glu(fn, h_gate, h_up).astype(hidden_ref[0].dtype), mask=mask)
   g = pl_triton.load(tile_at(g_ref), mask=mask, other=0).astype(jnp.float32)
   d_gate, d_up = gated_linear._glu_vjp(fn, h_gate, h_up, g)
   mine = read[:, None]
@@ -77,21 +85,24 @@ def _kernel(meta_ref, lhs_ref, gate_ref, up_ref, *refs, fn, rows, size_k, size_n
   pl_triton.store(tile_at(d_up_ref), jnp.where(mine, d_up, 0).astype(d_up_ref.dtype), mask=mask)
 
 
-def _call(lhs, gate, up, group_sizes, g, activation, *, interpret, blocks, name, num_warps):
-  """The forward (``g`` None: ``[M, N]``) or the products' gradients (two ``[M, N]``)."""
+def _call(lhs, gate, up, group_sizes, g, activation, *, interpret, blocks, name, num_warps,
+          hidden=False):
+  """The forward (``g`` None: ``[M, N]``) or the products' gradients (two ``[M, N]``; three
+  with ``hidden``, the gated unit last)."""
   fn = activations.get(activation)
   rows, size_k = lhs.shape
   groups, _, size_n = gate.shape
   backward = g is not None
   out = jax.ShapeDtypeStruct((rows, size_n), lhs.dtype)
-  out_shape = [out, out] if backward else out
+  out_shape = [out] * (2 + hidden) if backward else out
   if 0 in (rows, size_k, size_n, groups):
     zeros = jnp.zeros((rows, size_n), lhs.dtype)
-    return (zeros, zeros) if backward else zeros
+    return (zeros,) * (2 + hidden) if backward else zeros
   bm, bk, bn = _fit(blocks, interpret, rows, size_k, size_n)
   meta = group_metadata(group_sizes, rows, bm)
   kernel = functools.partial(_kernel, fn=fn, rows=rows, size_k=size_k, size_n=size_n, bm=bm,
-                             bk=bk, bn=bn, precision=_precision(lhs.dtype), backward=backward)
+                             bk=bk, bn=bn, precision=_precision(lhs.dtype), backward=backward,
+                             hidden=hidden)
   grid = (meta.shape[1], pl.cdiv(size_n, bn))
   whole = lambda shape: pl.BlockSpec(shape, lambda v, j: (0,) * len(shape))
   operands = [meta, lhs, gate, up] + ([g] if backward else [])
@@ -102,7 +113,7 @@ def _call(lhs, gate, up, group_sizes, g, activation, *, interpret, blocks, name,
       out_shape=out_shape,
       grid=grid,
       in_specs=[whole(x.shape) for x in operands],
-      out_specs=[whole(out.shape)] * 2 if backward else whole(out.shape),
+      out_specs=[whole(out.shape)] * len(out_shape) if backward else whole(out.shape),
       interpret=interpret,
       compiler_params=common.triton_params(num_warps=num_warps),
       cost_estimate=common.cost(operands[1:], out_shape, flops=4 * rows * size_k * size_n,
@@ -140,6 +151,43 @@ def grouped_glu_backward(lhs: jax.Array, gate: jax.Array, up: jax.Array,
   float32, summed and rounded once; two transposed grouped products)."""
   d_gate_out, d_up_out = grouped_glu_dproducts(lhs, gate, up, group_sizes, g,
                                                activation=activation, interpret=interpret)
+  return _products_backward(lhs, gate, up, group_sizes, d_gate_out, d_up_out, interpret)
+
+
+def grouped_mlp_forward(lhs: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
+                        group_sizes: jax.Array, *, activation: str | Callable,
+                        interpret: bool = False) -> jax.Array:
+  """``[M, N]``: the experts' MLP, :func:`grouped_glu_forward` then each group's down product
+  (:func:`~.grouped_matmul.gmm`), zeros past the groups."""
+  hidden = grouped_glu_forward(lhs, gate, up, group_sizes, activation=activation,
+                               interpret=interpret)
+  return gmm(hidden, down, group_sizes, interpret=interpret, name="grouped_mlp_down")
+
+
+def grouped_mlp_backward(lhs: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
+                         group_sizes: jax.Array, g: jax.Array, *, activation: str | Callable,
+                         interpret: bool = False):
+  """``(d lhs, d gate, d up, d down)`` of the experts' MLP ``grouped_glu_forward(...) @
+  down[e]`` for the output gradient ``g``, with one recomputation of the gate and up products:
+
+  ``d hidden = g @ down[e]^T`` (:func:`~.grouped_matmul.gmm`, rounded to lhs's dtype, as the
+  composed ops round it); the products' gradients for it, the products recomputed, with the
+  gated unit ``hidden`` written by the same kernel; ``d down = hidden^T @ g`` (``tgmm``); then
+  :func:`grouped_glu_backward`'s products.
+  """
+  d_hidden = gmm(g, down, group_sizes, transpose_rhs=True, out_dtype=lhs.dtype,
+                 interpret=interpret, name="grouped_mlp_dhidden")
+  d_gate_out, d_up_out, hidden = _call(lhs, gate, up, group_sizes, d_hidden, activation,
+                                       interpret=interpret, blocks=None,
+                                       name="grouped_mlp_dproducts", num_warps=4, hidden=True)
+  d_down = tgmm(hidden, g, group_sizes, out_dtype=down.dtype, interpret=interpret,
+                name="grouped_mlp_ddown")
+  return (*_products_backward(lhs, gate, up, group_sizes, d_gate_out, d_up_out, interpret),
+          d_down)
+
+
+def _products_backward(lhs, gate, up, group_sizes, d_gate_out, d_up_out, interpret):
+  """``(d lhs, d gate, d up)`` from the two products' gradients."""
   dlhs = (gmm(d_gate_out, gate, group_sizes, transpose_rhs=True, out_dtype=jnp.float32,
               interpret=interpret, name="grouped_glu_dlhs_gate")
           + gmm(d_up_out, up, group_sizes, transpose_rhs=True, out_dtype=jnp.float32,

@@ -81,6 +81,24 @@ def grouped_glu_fwd_kernel(meta_ptr, lhs_ptr, gate_ptr, up_ptr, out_ptr, ROWS: t
 
 
 @triton.jit
+def _dproducts(meta_ptr, lhs_ptr, gate_ptr, up_ptr, g_ptr, d_gate_ptr, d_up_ptr, hidden_ptr,
+               ROWS: tl.constexpr, SIZE_K: tl.constexpr, SIZE_N: tl.constexpr,
+               VISITS: tl.constexpr, IEEE: tl.constexpr, ACT: tl.constexpr,
+               HIDDEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+               BLOCK_N: tl.constexpr):
+  h_gate, h_up, out, read, mask = _products(meta_ptr, lhs_ptr, gate_ptr, up_ptr, ROWS, SIZE_K,
+                                            SIZE_N, VISITS, IEEE, BLOCK_M, BLOCK_K, BLOCK_N)
+  act = activation(h_gate, ACT)
+  if HIDDEN:
+    tl.store(hidden_ptr + out, (act * h_up).to(hidden_ptr.dtype.element_ty), mask=mask)
+  g = tl.load(g_ptr + out, mask=mask, other=0.0).to(tl.float32)
+  g = tl.where(read[:, None], g, 0.0)
+  tl.store(d_gate_ptr + out, (g * h_up * activation_grad(h_gate, ACT)).to(
+      d_gate_ptr.dtype.element_ty), mask=mask)
+  tl.store(d_up_ptr + out, (g * act).to(d_up_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def grouped_glu_dproducts_kernel(meta_ptr, lhs_ptr, gate_ptr, up_ptr, g_ptr, d_gate_ptr,
                                  d_up_ptr, ROWS: tl.constexpr, SIZE_K: tl.constexpr,
                                  SIZE_N: tl.constexpr, VISITS: tl.constexpr, IEEE: tl.constexpr,
@@ -88,14 +106,21 @@ def grouped_glu_dproducts_kernel(meta_ptr, lhs_ptr, gate_ptr, up_ptr, g_ptr, d_g
                                  BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
   """The products' gradients of one visit and column tile: ``g * up_e * act'(gate_e)`` and
   ``g * act(gate_e)``, the products recomputed; zeros past the groups."""
-  h_gate, h_up, out, read, mask = _products(meta_ptr, lhs_ptr, gate_ptr, up_ptr, ROWS, SIZE_K,
-                                            SIZE_N, VISITS, IEEE, BLOCK_M, BLOCK_K, BLOCK_N)
-  g = tl.load(g_ptr + out, mask=mask, other=0.0).to(tl.float32)
-  g = tl.where(read[:, None], g, 0.0)
-  tl.store(d_gate_ptr + out, (g * h_up * activation_grad(h_gate, ACT)).to(
-      d_gate_ptr.dtype.element_ty), mask=mask)
-  tl.store(d_up_ptr + out, (g * activation(h_gate, ACT)).to(d_up_ptr.dtype.element_ty),
-           mask=mask)
+  _dproducts(meta_ptr, lhs_ptr, gate_ptr, up_ptr, g_ptr, d_gate_ptr, d_up_ptr, d_up_ptr, ROWS,
+             SIZE_K, SIZE_N, VISITS, IEEE, ACT, False, BLOCK_M, BLOCK_K, BLOCK_N)
+
+
+@triton.jit
+def grouped_mlp_dproducts_kernel(meta_ptr, lhs_ptr, gate_ptr, up_ptr, g_ptr, d_gate_ptr,
+                                 d_up_ptr, hidden_ptr, ROWS: tl.constexpr,
+                                 SIZE_K: tl.constexpr, SIZE_N: tl.constexpr,
+                                 VISITS: tl.constexpr, IEEE: tl.constexpr, ACT: tl.constexpr,
+                                 BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                                 BLOCK_N: tl.constexpr):
+  """:func:`grouped_glu_dproducts_kernel` for the gradient ``g`` of the gated unit, which it
+  also writes: ``act(gate_e) * up_e``, for the down projection's weight gradient."""
+  _dproducts(meta_ptr, lhs_ptr, gate_ptr, up_ptr, g_ptr, d_gate_ptr, d_up_ptr, hidden_ptr,
+             ROWS, SIZE_K, SIZE_N, VISITS, IEEE, ACT, True, BLOCK_M, BLOCK_K, BLOCK_N)
 
 
 def _launch(kernel, lhs, gate, up, group_sizes, extra, n_out, activation: str, blocks):
@@ -144,10 +169,35 @@ def grouped_glu_backward(lhs, gate, up, group_sizes, g, *, activation: str):
   :func:`grouped_glu_dproducts_kernel`, two launches of the grouped matmul's ``gmm_kernel``
   reading the weights transposed (float32, summed by XLA and rounded once) and two of its
   ``tgmm_kernel``."""
-  import jax.numpy as jnp
-
   d_gate_out, d_up_out = grouped_glu_dproducts(lhs, gate, up, group_sizes, g,
                                                activation=activation)
+  return _products_backward(lhs, gate, up, group_sizes, d_gate_out, d_up_out)
+
+
+def grouped_mlp_forward(lhs, gate, up, down, group_sizes, *, activation: str):
+  """``[M, N]``: the experts' MLP, :func:`grouped_glu_fwd_kernel` then each group's down
+  product (``gmm_kernel``), zeros past the groups (GPU)."""
+  hidden = grouped_glu_forward(lhs, gate, up, group_sizes, activation=activation)
+  return gmm(hidden, down, group_sizes)
+
+
+def grouped_mlp_backward(lhs, gate, up, down, group_sizes, g, *, activation: str):
+  """``(d lhs, d gate, d up, d down)`` of the experts' MLP (``grouped_glu_forward`` then the
+  down product) for the output gradient ``g``, the gate and up products recomputed once:
+  ``d hidden = g @ down[e]^T`` (``gmm_kernel``, rounded to lhs's dtype);
+  :func:`grouped_mlp_dproducts_kernel`, which also writes the gated unit; ``d down`` from it
+  (``tgmm_kernel``); then :func:`grouped_glu_backward`'s products."""
+  d_hidden = gmm(g, down, group_sizes, transpose_rhs=True, out_dtype=lhs.dtype)
+  d_gate_out, d_up_out, hidden = _launch(grouped_mlp_dproducts_kernel, lhs, gate, up,
+                                         group_sizes, (d_hidden,), 3, activation, BLOCKS)
+  d_down = tgmm(hidden, g, group_sizes, out_dtype=down.dtype)
+  return (*_products_backward(lhs, gate, up, group_sizes, d_gate_out, d_up_out), d_down)
+
+
+def _products_backward(lhs, gate, up, group_sizes, d_gate_out, d_up_out):
+  """``(d lhs, d gate, d up)`` from the two products' gradients."""
+  import jax.numpy as jnp
+
   dlhs = sum(gmm(d, w, group_sizes, transpose_rhs=True, out_dtype=jnp.float32)
              for d, w in ((d_gate_out, gate), (d_up_out, up)))
   d_gate = tgmm(lhs, d_gate_out, group_sizes, out_dtype=gate.dtype)

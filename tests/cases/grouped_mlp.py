@@ -33,11 +33,12 @@ def _draw(rng):
   return (m, k + 1), (g, k + 1, f + 1), (g, k + 1, f + 1), (g, f + 1, n + 1)
 
 
-# jit(value_and_grad) on kernels: grouped_glu's forward (twice: the backward recomputes the
-# gated unit for d down) and backward kernels, grouped_matmul's forward and backward.
+# jit(value_and_grad) on kernels: the forward's fused gated unit and down product; the
+# backward's d hidden, one recomputation of the products (writing the gated unit for d down
+# too), d down and grouped_glu's four backward products. No second forward kernel.
 KERNELS = ("grouped_glu_dgate", "grouped_glu_dlhs_gate", "grouped_glu_dlhs_up",
-           "grouped_glu_dproducts", "grouped_glu_dup", "grouped_glu_fwd", "grouped_glu_fwd",
-           "grouped_matmul_dlhs", "grouped_matmul_drhs", "grouped_matmul_fwd")
+           "grouped_glu_dup", "grouped_glu_fwd", "grouped_mlp_ddown", "grouped_mlp_dhidden",
+           "grouped_mlp_down", "grouped_mlp_dproducts")
 SHAPES = ((1024, 256), (8, 256, 512), (8, 256, 512), (8, 512, 256))
 WEIRD = ((37, 23), (4, 23, 41), (4, 23, 41), (4, 41, 19))
 
