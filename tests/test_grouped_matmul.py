@@ -137,9 +137,12 @@ def test_bfloat16_within_twice_the_torch_loops_error(impl, monkeypatch):
 
 
 @pytest.mark.parametrize("label", list(SIZES))
-@pytest.mark.parametrize("rows,tile", [(40, 16), (37, 16), (37, 8)])
-def test_cpu_row_tiles_match_the_torch_loop(label, rows, tile, monkeypatch):
+@pytest.mark.parametrize("rows,tile,tail", [(40, 16, 16), (37, 16, 4), (37, 8, 3)])
+def test_cpu_row_tiles_match_the_torch_loop(label, rows, tile, tail, monkeypatch):
+  """Whole tiles, then a tail cut to a multiple of ``tail`` rows (several sizes to choose
+  from), near the end of the array or not."""
   monkeypatch.setattr(gmm_op, "_CPU_TILE_ROWS", tile)
+  monkeypatch.setattr(gmm_op, "_CPU_TAIL_ROWS", tail)
   sizes = np.array(SIZES[label])
   sizes = np.maximum(np.minimum(sizes, rows - np.concatenate([[0], np.cumsum(sizes)[:-1]])), 0)
   lhs, rhs, g = _inputs(rows=rows)

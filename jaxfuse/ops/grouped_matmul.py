@@ -184,12 +184,15 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
 
 # The rows of one product of the CPU loops. In float32 on 2 cores, 8 uneven experts, forward and
 # both gradients: at 8192 rows, 1024 -> 2816, tiles of 64, 128 and 256 rows all ran within the
-# noise of one dense product of the same size (ragged_dot: about 8 times it); at 2048 rows,
-# 256 -> 704, 64 and 128 ran faster than 256. A group's last tile is cut to the multiple of
-# _CPU_TAIL_ROWS that covers its rows: with whole tiles only, 8 experts of about 256 rows each
-# computed 2560 rows for 2048 (25% more); with tails of 32 rows, 2112.
-_CPU_TILE_ROWS = 128
-_CPU_TAIL_ROWS = 32
+# noise of one dense product of the same size (ragged_dot: about 8 times it). A group's last
+# tile is cut to the multiple of _CPU_TAIL_ROWS that covers its rows: with whole tiles only, 8
+# experts of about 256 rows each computed 2560 rows for 2048 (25% more); with tails of 32 rows,
+# 2112; of 16, 2080. At 2048 rows, 256 -> 704 (the moe suite's --quick block), the experts'
+# whole MLP step took 58 ms with tiles of 256 and tails of 16 against 64 ms with 128 and 32
+# (one process, interleaved); 512 and 16 gave 57 ms for twice the compile time (6.7 s against
+# 3.3, 1.5 with 128 and 32: one switch branch per tail size).
+_CPU_TILE_ROWS = 256
+_CPU_TAIL_ROWS = 16
 
 
 def _tiles_rows() -> bool:
@@ -198,32 +201,75 @@ def _tiles_rows() -> bool:
   return dispatch.platform() == "cpu"
 
 
-def _visit_rows(start, end, rows: int, body, carry):
-  """``carry = body(size, first, mine, carry)`` over the rows ``[start, end)`` of one group:
-  tiles of ``T`` rows from ``start``, then one tile for the rest, ``size`` the multiple of
-  :data:`_CPU_TAIL_ROWS` that covers it (or ``T``). ``first`` is a tile's first row (a tail
-  that would pass the last row of the array starts earlier instead); ``mine`` is None for a
-  whole tile, else ``[size, 1]`` bool: the tail's rows that are the group's and not yet
-  visited."""
+def _visit_rows(start, end, rows: int, body, outs, sums):
+  """One group's rows ``[start, end)`` in tiles: ``(outs, sums)`` after every visit.
+
+  ``body(size, first, mine) -> (values, parts)`` computes a tile of ``size`` rows from row
+  ``first``: ``values``, one ``[size, n]`` array per array of ``outs`` (``[rows, n]``), are
+  written over the tile's rows that are the group's; ``parts``, one per array of ``sums``, are
+  added to it (the body must leave out rows that are not ``mine``). The tiles are ``T`` rows
+  from ``start`` (``mine`` None), then one tail for the rest, ``size`` the multiple of
+  :data:`_CPU_TAIL_ROWS` that covers it (or ``T``); ``first`` is a tile's first row (a tail
+  that would pass the last row of the array starts earlier instead) and ``mine`` the tail's
+  ``[size, 1]`` rows that are the group's and not yet visited.
+
+  The tail's branches return their values in a window of ``T`` rows rather than update
+  ``outs``: an array updated inside a conditional is copied whole on entry (XLA:CPU), while the
+  update after it is done in place.
+  """
   tile = min(_CPU_TILE_ROWS, rows)
   whole = (end - start) // tile
-  carry = jax.lax.fori_loop(0, whole, lambda i, c: body(tile, start + i * tile, None, c), carry)
+
+  def write(outs, values, first, size, keep):
+    # Selected against the rows held even in a whole tile: on Explicit mesh axes the update
+    # then has the output's sharding.
+    return tuple(jax.lax.dynamic_update_slice_in_dim(
+        out, jnp.where(keep, v.astype(out.dtype),
+                       jax.lax.dynamic_slice_in_dim(out, first, size, 0)), first, 0)
+        for out, v in zip(outs, values))
+
+  def visit(i, carry):
+    outs, sums = carry
+    first = start + i * tile
+    values, parts = body(tile, first, None)
+    outs = write(outs, values, first, tile, jnp.ones((tile, 1), bool))
+    return outs, tuple(total + part for total, part in zip(sums, parts))
+
+  outs, sums = jax.lax.fori_loop(0, whole, visit, (outs, sums))
   done = start + whole * tile
+  # The rows of the array that every tail lies in: [done, end) and its tail's rows.
+  window = jnp.minimum(done, rows - tile)
   sizes = sorted({min(s, tile) for s in range(_CPU_TAIL_ROWS, tile + _CPU_TAIL_ROWS,
                                                _CPU_TAIL_ROWS)})
 
+  def windows():
+    return tuple(jax.lax.dynamic_slice_in_dim(out, window, tile, 0) for out in outs)
+
   def tail(size):
-    def visit(c):
+    def run():
       first = jnp.minimum(done, rows - size)
       row = first + jnp.arange(size, dtype=jnp.int32)
-      return body(size, first, ((row >= done) & (row < end))[:, None], c)
-    return visit
+      values, parts = body(size, first, ((row >= done) & (row < end))[:, None])
+      # Each tail's values placed in the window's rows (with the output's sharding on
+      # Explicit mesh axes: selected against what the rows hold).
+      return tuple(jax.lax.dynamic_update_slice_in_dim(
+          held, jnp.where(jnp.ones((size, 1), bool), v.astype(held.dtype),
+                          jax.lax.dynamic_slice_in_dim(held, first - window, size, 0)),
+          first - window, 0) for held, v in zip(windows(), values)), tuple(parts)
+    return run
+
+  def nothing():
+    return windows(), tuple(partitioning.vary_like(jnp.zeros(total.shape, total.dtype), *outs,
+                                                   *sums) for total in sums)
 
   # The smallest size that covers the rest (sizes[i] = min((i + 1) * Q, T), the rest < T).
   branch = jnp.clip((end - done + _CPU_TAIL_ROWS - 1) // _CPU_TAIL_ROWS - 1, 0, len(sizes) - 1)
-  return jax.lax.cond(end > done,
-                      lambda c: jax.lax.switch(branch, [tail(s) for s in sizes], c),
-                      lambda c: c, carry)
+  values, parts = jax.lax.cond(end > done,
+                               lambda: jax.lax.switch(branch, [tail(s) for s in sizes]),
+                               nothing)
+  row = window + jnp.arange(tile, dtype=jnp.int32)
+  outs = write(outs, values, window, tile, ((row >= done) & (row < end))[:, None])
+  return outs, tuple(total + part for total, part in zip(sums, parts))
 
 
 def _tiled_product(lhs, rhs, group_sizes, precision, *, transpose_rhs=False, out_dtype=None):
@@ -248,20 +294,14 @@ def _tiled_product(lhs, rhs, group_sizes, precision, *, transpose_rhs=False, out
   def group(e, outs):
     mats = [jax.lax.dynamic_index_in_dim(w, e, 0, keepdims=False) for w in weights]
 
-    def body(size, first, mine, outs):
+    def body(size, first, mine):
+      del mine  # rows that are not the group's are not written
       block = jax.lax.dynamic_slice_in_dim(lhs, first, size, 0)
-      new = []
-      for w, out in zip(mats, outs):
-        product = jax.lax.dot_general(block, w, dims, precision=precision,
-                                      preferred_element_type=jnp.float32).astype(out.dtype)
-        # Selected against the rows held even in a whole tile: on Explicit mesh axes the
-        # update then has the output's sharding.
-        keep = jnp.ones((size, 1), bool) if mine is None else mine
-        product = jnp.where(keep, product, jax.lax.dynamic_slice_in_dim(out, first, size, 0))
-        new.append(jax.lax.dynamic_update_slice_in_dim(out, product, first, 0))
-      return tuple(new)
+      return tuple(jax.lax.dot_general(block, w, dims, precision=precision,
+                                       preferred_element_type=jnp.float32)
+                   for w in mats), ()
 
-    return _visit_rows(starts[e], ends[e], rows, body, outs)
+    return _visit_rows(starts[e], ends[e], rows, body, outs, ())[0]
 
   outs = jax.lax.fori_loop(0, group_sizes.shape[0], group, outs)
   return outs if several else outs[0]
@@ -286,18 +326,17 @@ def _tiled_rows_product(lhs, g, group_sizes, precision):
   dims = (((0,), (0,)), ((), ()))
 
   def group(e, outs):
-    def body(size, first, mine, accs):
+    def body(size, first, mine):
       a = jax.lax.dynamic_slice_in_dim(lhs, first, size, 0)
       if mine is not None:
         a = jnp.where(mine, a, 0)
-      return tuple(acc + jax.lax.dot_general(a, jax.lax.dynamic_slice_in_dim(x, first, size, 0),
-                                             dims, precision=precision,
-                                             preferred_element_type=jnp.float32)
-                   for acc, x in zip(accs, gs))
+      return (), tuple(jax.lax.dot_general(a, jax.lax.dynamic_slice_in_dim(x, first, size, 0),
+                                           dims, precision=precision,
+                                           preferred_element_type=jnp.float32) for x in gs)
 
     zeros = tuple(partitioning.vary_like(jnp.zeros((size_k, n), jnp.float32), lhs, *gs,
                                          group_sizes) for n in size_n)
-    accs = _visit_rows(starts[e], ends[e], rows, body, zeros)
+    accs = _visit_rows(starts[e], ends[e], rows, body, (), zeros)[1]
     return tuple(jax.lax.dynamic_update_index_in_dim(out, acc, e, 0)
                  for out, acc in zip(outs, accs))
 

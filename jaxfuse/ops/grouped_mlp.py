@@ -175,16 +175,14 @@ def _tiled_forward(lhs, gate, up, down, group_sizes, activation, precision=None)
     w_gate, w_up, w_down = (jax.lax.dynamic_index_in_dim(w, e, 0, keepdims=False)
                             for w in (gate, up, down))
 
-    def body(size, first, mine, out):
+    def body(size, first, mine):
+      del mine  # rows that are not the group's are not written
       x = jax.lax.dynamic_slice_in_dim(lhs, first, size, 0)
       hidden = (activation_grads.value(activation, dot(x, w_gate, 1, 0))
                 * dot(x, w_up, 1, 0)).astype(lhs.dtype)
-      y = dot(hidden, w_down, 1, 0).astype(out.dtype)
-      if mine is not None:
-        y = jnp.where(mine, y, jax.lax.dynamic_slice_in_dim(out, first, size, 0))
-      return jax.lax.dynamic_update_slice_in_dim(out, y, first, 0)
+      return (dot(hidden, w_down, 1, 0),), ()
 
-    return gmm._visit_rows(starts[e], ends[e], rows, body, out)
+    return gmm._visit_rows(starts[e], ends[e], rows, body, (out,), ())[0][0]
 
   return jax.lax.fori_loop(0, group_sizes.shape[0], group, out)
 
@@ -208,8 +206,7 @@ def _tiled_backward(lhs, gate, up, down, group_sizes, g, activation, precision=N
     w_gate, w_up, w_down = (jax.lax.dynamic_index_in_dim(w, e, 0, keepdims=False)
                             for w in (gate, up, down))
 
-    def body(size, first, mine, carry):
-      dlhs, acc_gate, acc_up, acc_down = carry
+    def body(size, first, mine):
       x = jax.lax.dynamic_slice_in_dim(lhs, first, size, 0)
       dy = jax.lax.dynamic_slice_in_dim(g, first, size, 0)
       if mine is not None:
@@ -220,16 +217,12 @@ def _tiled_backward(lhs, gate, up, down, group_sizes, g, activation, precision=N
       d_hidden = dot(dy, w_down, 1, 1)
       d_gate_out = (d_hidden * up_out * grad).astype(lhs.dtype)
       d_up_out = (d_hidden * act).astype(lhs.dtype)
-      dx = (dot(d_gate_out, w_gate, 1, 1) + dot(d_up_out, w_up, 1, 1)).astype(lhs.dtype)
-      if mine is not None:
-        dx = jnp.where(mine, dx, jax.lax.dynamic_slice_in_dim(dlhs, first, size, 0))
-      return (jax.lax.dynamic_update_slice_in_dim(dlhs, dx, first, 0),
-              acc_gate + dot(x, d_gate_out, 0, 0), acc_up + dot(x, d_up_out, 0, 0),
-              acc_down + dot(hidden, dy, 0, 0))
+      dx = dot(d_gate_out, w_gate, 1, 1) + dot(d_up_out, w_up, 1, 1)
+      return (dx,), (dot(x, d_gate_out, 0, 0), dot(x, d_up_out, 0, 0), dot(hidden, dy, 0, 0))
 
     zeros = tuple(partitioning.vary_like(jnp.zeros(w.shape[1:], jnp.float32), lhs, gate, up,
                                          down, group_sizes, g) for w in (gate, up, down))
-    dlhs, *accs = gmm._visit_rows(starts[e], ends[e], rows, body, (dlhs, *zeros))
+    (dlhs,), accs = gmm._visit_rows(starts[e], ends[e], rows, body, (dlhs,), zeros)
     return (dlhs, *(jax.lax.dynamic_update_index_in_dim(d, acc, e, 0)
                     for d, acc in zip((d_gate, d_up, d_down), accs)))
 
