@@ -266,6 +266,35 @@ def test_the_z_loss_and_recomputation_keep_what_they_say():
   assert kept["activation"] - routed - routing < T * K * F * 4, kept
 
 
+def test_a_layer_that_keeps_expert_products_keeps_them_and_nothing_else_changes():
+  """``expert_keep``: the same loss and gradients as recomputing them; the layer's residuals
+  grow by one ``[T * k, F]`` array per kept product; the config reads back from a dict and
+  through ``to_hf``; an unknown product is refused by name."""
+  from jaxfuse.metrics import residual_bytes
+
+  x = _layer(2)[0]
+  cfg = DecoderConfig(vocab_size=32, d_model=D, num_layers=1, num_heads=2, mlp_dim=F,
+                      num_experts=E, experts_per_token=K, model_type="mixtral")
+  kept, grads = {}, {}
+  for keep in ((), ("gate",), ("gate", "up")):
+    layer = Decoder(cfg.replace(expert_keep=keep), rngs=nnx.Rngs(0)).layers[0].mlp
+    graphdef, params = nnx.split(layer)
+    loss = lambda p, x, g=graphdef: jnp.sum(jnp.sin(nnx.merge(g, p)(x)))
+    kept[keep] = residual_bytes(loss, params, x)
+    grads[keep] = jax.grad(loss, argnums=(0, 1))(params, x)
+  for keep in (("gate",), ("gate", "up")):
+    assert kept[keep] - kept[()] == len(keep) * T * K * F * 4, kept
+    for a, b in zip(jax.tree.leaves(grads[keep]), jax.tree.leaves(grads[()])):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+  keeping = cfg.replace(expert_keep="up")
+  assert keeping.expert_keep == ("up",)
+  assert DecoderConfig.from_dict(keeping.as_dict()) == keeping
+  assert "expert_keep" not in keeping.to_hf().to_dict()
+  with pytest.raises(ValueError, match=r"expert_keep takes distinct names among \('gate', "
+                                       r"'up'\), got \('hidden',\)"):
+    cfg.replace(expert_keep=("hidden",))
+
+
 # The decoder -----------------------------------------------------------------------------------
 
 

@@ -256,15 +256,19 @@ def _grouped_glu(dtype: str) -> list[Config]:
                      (lhs, w, w, _spec((EXPERTS,), "int32")), n_diff=3)
 
 
-def _grouped_mlp(dtype: str) -> list[Config]:
+def _grouped_mlp(dtype: str, keep: tuple[str, ...] = ()) -> list[Config]:
   """A Mixture-of-Experts block's experts: ROWS tokens over EXPERTS experts, the SwiGLU of
-  MODEL -> EXPERT_HIDDEN and the down product back to MODEL."""
+  MODEL -> EXPERT_HIDDEN and the down product back to MODEL; ``keep``: the products the
+  forward writes and the backward reads (``grouped_mlp``'s ``keep``)."""
   lhs = _spec((ROWS, MODEL), dtype)
   w, down = (_spec((EXPERTS, MODEL, EXPERT_HIDDEN), dtype),
              _spec((EXPERTS, EXPERT_HIDDEN, MODEL), dtype))
+  label = f"silu, keep {'+'.join(keep)}" if keep else "silu"
+  call = functools.partial(ops.grouped_mlp, keep=keep)
   return _op_configs("grouped_matmul",
-                     f"grouped_mlp[silu] {ROWS}x{MODEL}->{EXPERT_HIDDEN}->{MODEL} "
-                     f"experts={EXPERTS}", dtype, "grouped_mlp", ops.grouped_mlp,
+                     f"grouped_mlp[{label}] {ROWS}x{MODEL}->{EXPERT_HIDDEN}->{MODEL} "
+                     f"experts={EXPERTS}", dtype, "grouped_mlp",
+                     lambda *a, implementation: call(*a, implementation=implementation),
                      (lhs, w, w, down, _spec((EXPERTS,), "int32")), n_diff=4)
 
 
@@ -292,6 +296,7 @@ def configs(quick: bool = False) -> list[Config]:
     for name in ELEMENTWISE:
       out += _elementwise(name, "bfloat16")
     out += _grouped_glu("bfloat16") + _grouped_mlp("bfloat16")
+    out += _grouped_mlp("bfloat16", ("gate",))
     return out + _linear("bfloat16") + _cross_entropy("bfloat16") + _grouped_matmul("bfloat16")
   for dtype in DTYPES:
     for d in ATTENTION_HEAD_DIMS:
@@ -308,7 +313,8 @@ def configs(quick: bool = False) -> list[Config]:
     for name in ELEMENTWISE:
       out += _elementwise(name, dtype)
     out += _linear(dtype) + _cross_entropy(dtype) + _grouped_matmul(dtype)
-    out += _grouped_glu(dtype) + _grouped_mlp(dtype)
+    out += _grouped_glu(dtype) + _grouped_mlp(dtype) + _grouped_mlp(dtype, ("gate",))
+    out += _grouped_mlp(dtype, ("gate", "up"))
   return out
 
 
@@ -326,7 +332,7 @@ def core() -> list[Config]:
   for name in ("add_act", "add_act_unfused", "relu", "bias_act", "glu"):
     out += _elementwise(name, "bfloat16")
   out += [c for c in _elementwise("glu_packed", "bfloat16") if c.kind == "triton"]
-  out += _grouped_glu("bfloat16") + _grouped_mlp("bfloat16")
+  out += _grouped_glu("bfloat16") + _grouped_mlp("bfloat16") + _grouped_mlp("bfloat16", ("gate",))
   return out + _linear("bfloat16") + _cross_entropy("bfloat16") + _grouped_matmul("bfloat16")
 
 

@@ -220,10 +220,10 @@ def _plain_glu(gate, up, activation):
 
 
 def _products(rows, sizes, gate_kernel, up_kernel, down_kernel, activation, fused,
-              implementation):
+              implementation, keep):
   """The experts' gated MLP of ``rows`` sorted by expert, ``sizes`` rows per expert. Fused, one
-  op (:func:`jaxfuse.ops.grouped_mlp`: one backward for the three products, which recomputes
-  only the gate and up products where a policy keeps neither ``moe.gate`` nor ``moe.up``);
+  op (:func:`jaxfuse.ops.grouped_mlp`: one backward for the three products, which keeps the
+  products named in ``keep`` and recomputes the others);
   unfused, :func:`jax.lax.ragged_dot` and the activation in jnp, every value named
   (``moe.gate``, ``moe.up``, ``moe.hidden``)."""
   dtype = rows.dtype
@@ -231,7 +231,7 @@ def _products(rows, sizes, gate_kernel, up_kernel, down_kernel, activation, fuse
                                          for w in (gate_kernel, up_kernel, down_kernel))
   if fused:
     down = _grouped_mlp(rows, gate_kernel, up_kernel, down_kernel, sizes, activation=activation,
-                        implementation=implementation)
+                        implementation=implementation, keep=keep)
   else:
     gate = checkpoint_name(_plain_grouped(rows, gate_kernel, sizes), names.MOE_GATE)
     up = checkpoint_name(_plain_grouped(rows, up_kernel, sizes), names.MOE_UP)
@@ -252,11 +252,13 @@ def _combine(down, order, routing, dtype):
 def experts_mlp(x: jax.Array, routing: Routing, gate_kernel: jax.Array, up_kernel: jax.Array,
                 down_kernel: jax.Array, *, activation: str | Callable = "silu",
                 capacity_factor: float | None = None, fused: bool = True,
-                implementation: str | None = None, axis_name: str | None = None):
+                implementation: str | None = None, keep: str | Sequence[str] = (),
+                axis_name: str | None = None):
   """The experts' MLP of tokens ``x`` ``[tokens, d]`` routed by ``routing``: ``(out
   [tokens, d] in x's dtype, dropped pairs)``; see the module docstring. ``fused``: jaxfuse's
   :func:`~jaxfuse.ops.grouped_mlp`, else
-  :func:`jax.lax.ragged_dot` and the activation in jnp (the unfused baseline).
+  :func:`jax.lax.ragged_dot` and the activation in jnp (the unfused baseline). ``keep``: the
+  fused op's kept products (:func:`jaxfuse.ops.grouped_mlp`'s ``keep``).
 
   With ``axis_name`` (inside ``jax.shard_map``), the experts are split over that mesh axis
   (the kernels are this device's ``E / P``) and the pairs travel to them and back by
@@ -269,7 +271,7 @@ def experts_mlp(x: jax.Array, routing: Routing, gate_kernel: jax.Array, up_kerne
   order, sizes, dropped = dispatch(routing.experts, num_experts, limit)
   order = checkpoint_name(order, names.MOE_ROUTING)
   rows = x[order // top_k]
-  kernels = (gate_kernel, up_kernel, down_kernel, activation, fused, implementation)
+  kernels = (gate_kernel, up_kernel, down_kernel, activation, fused, implementation, keep)
   if axis_name is None:
     down = _products(checkpoint_name(rows, names.MOE_ROUTED), sizes, *kernels)
   else:
@@ -288,7 +290,7 @@ def moe_mlp(x: jax.Array, router_kernel: jax.Array, gate_kernel: jax.Array,
             renormalize: bool = True, activation: str | Callable = "silu",
             capacity_factor: float | None = None, mask: jax.Array | None = None,
             precision=_HIGHEST, fused: bool = True, implementation: str | None = None,
-            token_axes: Sequence[str | None] | None = None):
+            keep: str | Sequence[str] = (), token_axes: Sequence[str | None] | None = None):
   """A MoE layer of ``x`` ``[..., d]``: ``(out [..., d], stats)``, the statistics of
   :func:`router_stats` (``mask`` ``[...]`` leaves rows out of them, not out of the output).
 
@@ -308,13 +310,17 @@ def moe_mlp(x: jax.Array, router_kernel: jax.Array, gate_kernel: jax.Array,
     fused: jaxfuse's grouped products and gated activation, or XLA's (see
       :func:`experts_mlp`).
     implementation: passed to :func:`jaxfuse.ops.grouped_mlp`.
+    keep: the experts' products the fused op keeps for the backward (``"gate"``, ``"up"``;
+      :func:`jaxfuse.ops.grouped_mlp`): each saves one grouped product of the backward for
+      ``[tokens * k, f]`` residuals. A policy around the layer must keep their names
+      (``moe.gate``, ``moe.up``), or the op's forward runs again for them.
     token_axes: the logical axes of ``x``'s leading axes on a mesh (default: the residual
       stream's, ``("batch", "residual_seq")``, for ``[batch, seq, d]``; ``("batch",)`` for
       ``[tokens, d]``); only expert parallelism reads them.
   """
   settings = dict(top_k=top_k, renormalize=renormalize, activation=activation,
                   capacity_factor=capacity_factor, precision=precision, fused=fused,
-                  implementation=implementation)
+                  implementation=implementation, keep=keep)
   axis_name = expert_parallel.expert_axis(gate_kernel.shape[0])
   if axis_name is not None:
     return expert_parallel_moe_mlp(x, router_kernel, gate_kernel, up_kernel, down_kernel,
@@ -326,7 +332,7 @@ def moe_mlp(x: jax.Array, router_kernel: jax.Array, gate_kernel: jax.Array,
 
 def _local_moe_mlp(x, router_kernel, gate_kernel, up_kernel, down_kernel, *, top_k,
                    renormalize, activation, capacity_factor, mask, precision, fused,
-                   implementation, axis_name=None):
+                   implementation, keep=(), axis_name=None):
   """:func:`moe_mlp` on one device, or on this device's tokens and experts inside
   ``shard_map`` (``axis_name``: the experts' mesh axis)."""
   shape = x.shape
@@ -338,7 +344,8 @@ def _local_moe_mlp(x, router_kernel, gate_kernel, up_kernel, down_kernel, *, top
                     routing.probs)
   out, dropped = experts_mlp(flat, routing, gate_kernel, up_kernel, down_kernel,
                              activation=activation, capacity_factor=capacity_factor,
-                             fused=fused, implementation=implementation, axis_name=axis_name)
+                             fused=fused, implementation=implementation, keep=keep,
+                             axis_name=axis_name)
   mask = None if mask is None else mask.reshape(-1)
   return out.reshape(shape), router_stats(logits, routing, mask, dropped)
 

@@ -90,6 +90,10 @@ class DecoderConfig:
     router_z_loss_coef: the loss adds this times the router z-loss (ST-MoE); 0: none.
     capacity_factor: each expert takes at most ``ceil(capacity_factor * tokens * k / E)`` of a
       batch's token-expert pairs and drops the rest; None: dropless.
+    expert_keep: the experts' products the fused MoE layer keeps for its backward, among
+      ``"gate"`` and ``"up"`` (:func:`jaxfuse.ops.grouped_mlp`'s ``keep``); each saves one
+      grouped product of the backward for ``[tokens * k, expert_mlp_dim]`` residuals. ``()``:
+      the backward recomputes both. Not a Hugging Face field.
     model_type: the Hugging Face family it was read from or is written as.
     pad_token_id: the padding token, whose embedding row gets no gradient from the lookup
       (as torch's ``nn.Embedding(padding_idx=...)``); None: none.
@@ -133,6 +137,7 @@ class DecoderConfig:
   router_aux_loss_coef: float = 0.0
   router_z_loss_coef: float = 0.0
   capacity_factor: float | None = None
+  expert_keep: tuple[str, ...] = ()
   model_type: str = "llama"
   pad_token_id: int | None = None
   max_seq_len: int = 2048
@@ -153,6 +158,8 @@ class DecoderConfig:
       object.__setattr__(self, "layer_types", tuple(self.layer_types))
     if self.num_experts and self.expert_mlp_dim is None:
       object.__setattr__(self, "expert_mlp_dim", self.mlp_dim)
+    keep = (self.expert_keep,) if isinstance(self.expert_keep, str) else self.expert_keep
+    object.__setattr__(self, "expert_keep", tuple(keep))
     self._check()
 
   def _check(self):
@@ -214,6 +221,9 @@ class DecoderConfig:
         fail(f"{name} must be >= 0, got {getattr(self, name)!r}")
     if self.capacity_factor is not None and not self.capacity_factor > 0:
       fail(f"capacity_factor must be None or > 0, got {self.capacity_factor!r}")
+    if len(set(self.expert_keep)) != len(self.expert_keep) or not set(self.expert_keep) <= {
+        "gate", "up"}:
+      fail(f"expert_keep takes distinct names among ('gate', 'up'), got {self.expert_keep!r}")
     self.rope()   # checks the rotary parameters
 
   @property

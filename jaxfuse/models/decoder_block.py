@@ -283,7 +283,8 @@ class MoE(nnx.Module):
   the router logits, the routing, the rows sent to the experts and the rows they send back
   (``moe.router``, ``moe.routing``, ``moe.routed``, ``moe.down``: the routing weights'
   gradient reads the last, which would otherwise cost the experts' whole forward again) and
-  recomputes the experts' gate and up products once; unfused, they are
+  recomputes the experts' gate and up products once, or keeps those of them that
+  ``cfg.expert_keep`` names (``moe.gate``, ``moe.up``); unfused, they are
   :func:`jax.lax.ragged_dot` and nothing is recomputed.
   """
 
@@ -313,10 +314,12 @@ class MoE(nnx.Module):
       return moe_blocks.moe_mlp(x, router, gate, up, down, top_k=cfg.experts_per_token,
                                 renormalize=cfg.router_renormalize, activation=cfg.activation,
                                 capacity_factor=cfg.capacity_factor, mask=mask,
-                                fused=self.fused, implementation=self.implementation)
+                                fused=self.fused, implementation=self.implementation,
+                                keep=cfg.expert_keep)
 
     if self.fused and self.recompute == "activation":
-      layer = recompute(layer, policy=list(self.KEEPS))
+      kept = [names.MOE_PRODUCTS[name] for name in cfg.expert_keep]
+      layer = recompute(layer, policy=[*self.KEEPS, *kept])
     experts = self.experts
     out, stats = layer(x, self.router.kernel[...], experts.gate_proj[...], experts.up_proj[...],
                        experts.down_proj[...], mask)

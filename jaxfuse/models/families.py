@@ -423,7 +423,9 @@ def write_hf(cfg: DecoderConfig, model_type: str):
     common["original_max_position_embeddings"] = dict(cfg.rope_params)[
         "original_max_position_embeddings"]
   hf = getattr(transformers, fam.config_class)(**common, **fam.write(cfg))
-  back = DecoderConfig(**read_hf(hf)).replace(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+  # What is not Hugging Face's to say: the dtypes and what the backward keeps.
+  back = DecoderConfig(**read_hf(hf)).replace(dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+                                              expert_keep=cfg.expert_keep)
   for field in dataclasses.fields(DecoderConfig):
     if field.name != "model_type" and getattr(back, field.name) != getattr(cfg, field.name):
       raise ValueError(f"to_hf: a {model_type} config cannot express {field.name}="

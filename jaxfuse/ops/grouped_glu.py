@@ -141,20 +141,21 @@ def grouped_glu(lhs: jax.Array, gate: jax.Array, up: jax.Array, group_sizes: jax
 # Forward and backward ---------------------------------------------------------------------------
 
 
-def _products(lhs, gate, up, group_sizes, precision, tiled):
-  """``(lhs_e @ gate[e], lhs_e @ up[e])`` in float32: the grouped matmul's row-tile loop on
+def _products(lhs, weights, group_sizes, precision, tiled):
+  """``lhs_e @ w[e]`` in float32 for each of ``weights``: the grouped matmul's row-tile loop on
   CPUs (``tiled``), XLA's ragged products elsewhere."""
   if tiled:
-    return gmm._tiled_product(lhs, (gate, up), group_sizes, precision, out_dtype=jnp.float32)
+    return gmm._tiled_product(lhs, tuple(weights), group_sizes, precision,
+                              out_dtype=jnp.float32)
   return tuple(jax.lax.ragged_dot(lhs, w, group_sizes,
                                   precision=gmm._precision(lhs.dtype, precision),
                                   preferred_element_type=jnp.float32,
                                   out_sharding=gmm._out_sharding(lhs, w))
-               for w in (gate, up))
+               for w in weights)
 
 
 def _xla_forward(lhs, gate, up, group_sizes, activation, precision=None, tiled=False):
-  gate_out, up_out = _products(lhs, gate, up, group_sizes, precision, tiled)
+  gate_out, up_out = _products(lhs, (gate, up), group_sizes, precision, tiled)
   return (activation_grads.value(activation, gate_out) * up_out).astype(lhs.dtype)
 
 
@@ -163,7 +164,7 @@ def _xla_backward(lhs, gate, up, group_sizes, g, activation, precision=None, til
   """``(d lhs, d gate, d up)``: the products recomputed (or given, float32, as ``products``),
   their gradients elementwise, then the grouped matmul's backward products (its row-tile loops
   with ``tiled``, else XLA's ragged products, which never transpose a weight in memory)."""
-  gate_out, up_out = products or _products(lhs, gate, up, group_sizes, precision, tiled)
+  gate_out, up_out = products or _products(lhs, (gate, up), group_sizes, precision, tiled)
   act, grad = activation_grads.value_and_grad(activation, gate_out)
   g32 = g.astype(jnp.float32)
   d_gate_out = (g32 * up_out * grad).astype(lhs.dtype)

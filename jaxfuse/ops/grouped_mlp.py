@@ -41,7 +41,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfuse.ops import activation_grads, activations, base, checks, partitioning
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxfuse.ops import activation_grads, activations, base, checks, names, partitioning
 
 # The modules (jaxfuse.ops binds these names to the ops themselves).
 glu = importlib.import_module("jaxfuse.ops.grouped_glu")
@@ -80,6 +82,20 @@ def _check(op, lhs, gate, up, down, group_sizes):
 @dataclasses.dataclass(frozen=True)
 class GroupedMlpConfig(activations.Config):
   precision: object = None
+  keep: tuple[str, ...] = ()
+
+
+# The products the op may keep for its backward, and their residual names.
+_NAMES = names.MOE_PRODUCTS
+
+
+def _keep(op, keep) -> tuple[str, ...]:
+  """``keep`` as a tuple in the order of :data:`_NAMES`, checked."""
+  given = (keep,) if isinstance(keep, str) else tuple(keep)
+  unknown = [k for k in given if k not in _NAMES]
+  if unknown or len(set(given)) != len(given):
+    raise ValueError(f"{op}: keep takes distinct names among {tuple(_NAMES)}, got {keep!r}")
+  return tuple(name for name in _NAMES if name in given)
 
 
 # The op -----------------------------------------------------------------------------------------
@@ -87,7 +103,8 @@ class GroupedMlpConfig(activations.Config):
 
 def grouped_mlp(lhs: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
                 group_sizes: jax.Array, *, activation: str | Callable = "silu",
-                implementation: str | None = None, precision=None) -> jax.Array:
+                implementation: str | None = None, precision=None,
+                keep: str | tuple[str, ...] = ()) -> jax.Array:
   """The experts' gated MLP: ``(activation(lhs_e @ gate[e]) * (lhs_e @ up[e])) @ down[e]`` for
   the rows of each group ``e``, with one backward for the three products that keeps only the
   inputs (see the module docstring).
@@ -103,6 +120,10 @@ def grouped_mlp(lhs: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
       XLA's ragged products elsewhere), ``"pallas"`` or ``"triton"`` (the kernels of
       :func:`~jaxfuse.ops.grouped_glu` and :func:`~jaxfuse.ops.grouped_matmul`).
     precision: the XLA products' precision (``None``: HIGHEST for float32, as torch).
+    keep: the products kept for the backward, among ``"gate"`` and ``"up"`` (``[M, F]`` in
+      lhs's dtype, named ``moe.gate`` and ``moe.up``); the backward recomputes the others.
+      ``()`` (the default) keeps only the inputs; ``"gate"`` saves one of the eight products
+      of the backward for ``M·F`` elements.
 
   Returns:
     ``[M, N]`` in lhs's dtype.
@@ -132,7 +153,7 @@ def grouped_mlp(lhs: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
   _check(op, lhs, gate, up, down, group_sizes)
   activation = activations.canonical(activation, op=op)
   cfg = GROUPED_MLP.config(implementation, GroupedMlpConfig, facts={"activation": activation},
-                           activation=activation, precision=precision)
+                           activation=activation, precision=precision, keep=_keep(op, keep))
   with jax.named_scope(activations.scope(GROUPED_MLP, cfg)):
     return _grouped_mlp(cfg, lhs, gate, up, down, jnp.asarray(group_sizes, jnp.int32))
 
@@ -140,18 +161,32 @@ def grouped_mlp(lhs: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
 # Forward and backward ---------------------------------------------------------------------------
 
 
-def _xla_forward(lhs, gate, up, down, group_sizes, activation, precision=None):
+def _xla_forward(lhs, gate, up, down, group_sizes, activation, precision=None, keep=()):
   """XLA's ragged products: the gated unit (:func:`grouped_glu_reference`'s rounding), then the
-  down product."""
-  hidden = glu._xla_forward(lhs, gate, up, group_sizes, activation, precision)
-  return gmm._xla_forward(hidden, down, group_sizes, precision)
+  down product; ``(out, *kept products)`` with ``keep`` (rounded to lhs's dtype)."""
+  if not keep:
+    hidden = glu._xla_forward(lhs, gate, up, group_sizes, activation, precision)
+    return gmm._xla_forward(hidden, down, group_sizes, precision)
+  products = dict(zip(("gate", "up"), glu._products(lhs, (gate, up), group_sizes, precision,
+                                                    tiled=False)))
+  hidden = (activation_grads.value(activation, products["gate"])
+            * products["up"]).astype(lhs.dtype)
+  return (gmm._xla_forward(hidden, down, group_sizes, precision),
+          *(products[name].astype(lhs.dtype) for name in keep))
 
 
-def _xla_backward(lhs, gate, up, down, group_sizes, g, activation, precision=None):
+def _xla_backward(lhs, gate, up, down, group_sizes, *kept_and_g, activation, precision=None,
+                  keep=()):
   """``(d lhs, d gate, d up, d down)`` from XLA's ragged products: the gate and up products
-  recomputed, the gated unit from them, ``(d hidden, d down)`` by ``grouped_matmul``'s
-  backward, then ``grouped_glu``'s backward from the products already computed."""
-  gate_out, up_out = glu._products(lhs, gate, up, group_sizes, precision, tiled=False)
+  that are not kept recomputed, the gated unit from them, ``(d hidden, d down)`` by
+  ``grouped_matmul``'s backward, then ``grouped_glu``'s backward from the products."""
+  *kept, g = kept_and_g
+  products = {name: a.astype(jnp.float32) for name, a in zip(keep, kept)}
+  weights = {"gate": gate, "up": up}
+  missing = [name for name in weights if name not in products]
+  products.update(zip(missing, glu._products(lhs, [weights[name] for name in missing],
+                                              group_sizes, precision, tiled=False)))
+  gate_out, up_out = products["gate"], products["up"]
   hidden = (activation_grads.value(activation, gate_out) * up_out).astype(lhs.dtype)
   d_hidden, d_down = gmm._xla_backward(hidden, down, group_sizes, g, precision)
   dlhs, d_gate, d_up = glu._xla_backward(lhs, gate, up, group_sizes, d_hidden, activation,
@@ -159,38 +194,43 @@ def _xla_backward(lhs, gate, up, down, group_sizes, g, activation, precision=Non
   return dlhs, d_gate, d_up, d_down
 
 
-def _tiled_forward(lhs, gate, up, down, group_sizes, activation, precision=None):
+def _tiled_forward(lhs, gate, up, down, group_sizes, activation, precision=None, keep=()):
   """The forward on CPUs: per group, per row tile (:func:`grouped_matmul._visit_rows`), the
   three products of the tile with the gated unit between them, so that the tile's
-  intermediates stay in cache."""
+  intermediates stay in cache; ``(out, *kept products)``."""
   rows = lhs.shape[0]
-  out = partitioning.vary_like(jnp.zeros((rows, down.shape[2]), lhs.dtype), lhs, gate, up,
-                               down, group_sizes)
+  outs = tuple(partitioning.vary_like(jnp.zeros((rows, n), lhs.dtype), lhs, gate, up, down,
+                                      group_sizes)
+               for n in (down.shape[2],) + (gate.shape[2],) * len(keep))
   if 0 in (rows, *gate.shape[1:], down.shape[2]):
-    return out
+    return outs if keep else outs[0]
   starts, ends = gmm.pallas_gmm.group_bounds(group_sizes, rows)
   dot = functools.partial(_dot, precision=gmm._precision(lhs.dtype, precision))
 
-  def group(e, out):
+  def group(e, outs):
     w_gate, w_up, w_down = (jax.lax.dynamic_index_in_dim(w, e, 0, keepdims=False)
                             for w in (gate, up, down))
 
     def body(size, first, mine):
       del mine  # rows that are not the group's are not written
       x = jax.lax.dynamic_slice_in_dim(lhs, first, size, 0)
-      hidden = (activation_grads.value(activation, dot(x, w_gate, 1, 0))
-                * dot(x, w_up, 1, 0)).astype(lhs.dtype)
-      return (dot(hidden, w_down, 1, 0),), ()
+      products = {"gate": dot(x, w_gate, 1, 0), "up": dot(x, w_up, 1, 0)}
+      hidden = (activation_grads.value(activation, products["gate"])
+                * products["up"]).astype(lhs.dtype)
+      return (dot(hidden, w_down, 1, 0), *(products[name] for name in keep)), ()
 
-    return gmm._visit_rows(starts[e], ends[e], rows, body, (out,), ())[0][0]
+    return gmm._visit_rows(starts[e], ends[e], rows, body, outs, ())[0]
 
-  return jax.lax.fori_loop(0, group_sizes.shape[0], group, out)
+  outs = jax.lax.fori_loop(0, group_sizes.shape[0], group, outs)
+  return outs if keep else outs[0]
 
 
-def _tiled_backward(lhs, gate, up, down, group_sizes, g, activation, precision=None):
-  """The backward on CPUs: per group, per row tile, the gate and up products recomputed and
-  the six products of the backward, the weight gradients summed over the group's tiles in
+def _tiled_backward(lhs, gate, up, down, group_sizes, *kept_and_g, activation, precision=None,
+                    keep=()):
+  """The backward on CPUs: per group, per row tile, the products not kept recomputed and the
+  six products of the backward, the weight gradients summed over the group's tiles in
   float32 (a tail's rows that are not the group's are zeroed)."""
+  *kept, g = kept_and_g
   rows = lhs.shape[0]
   outs = tuple(partitioning.vary_like(jnp.zeros(shape, dtype), lhs, gate, up, down, group_sizes,
                                       g)
@@ -205,13 +245,19 @@ def _tiled_backward(lhs, gate, up, down, group_sizes, g, activation, precision=N
     dlhs, d_gate, d_up, d_down = outs
     w_gate, w_up, w_down = (jax.lax.dynamic_index_in_dim(w, e, 0, keepdims=False)
                             for w in (gate, up, down))
+    weights = {"gate": w_gate, "up": w_up}
 
     def body(size, first, mine):
-      x = jax.lax.dynamic_slice_in_dim(lhs, first, size, 0)
-      dy = jax.lax.dynamic_slice_in_dim(g, first, size, 0)
+      rows_of = lambda a: jax.lax.dynamic_slice_in_dim(a, first, size, 0)
+      x, dy = rows_of(lhs), rows_of(g)
+      products = {name: rows_of(a).astype(jnp.float32) for name, a in zip(keep, kept)}
       if mine is not None:
         x, dy = jnp.where(mine, x, 0), jnp.where(mine, dy, 0)
-      gate_out, up_out = dot(x, w_gate, 1, 0), dot(x, w_up, 1, 0)
+        products = {name: jnp.where(mine, a, 0) for name, a in products.items()}
+      for name in ("gate", "up"):
+        if name not in products:
+          products[name] = dot(x, weights[name], 1, 0)
+      gate_out, up_out = products["gate"], products["up"]
       act, grad = activation_grads.value_and_grad(activation, gate_out)
       hidden = (act * up_out).astype(lhs.dtype)
       d_hidden = dot(dy, w_down, 1, 1)
@@ -239,37 +285,52 @@ def _cast(grads, *primals):
   return tuple(d.astype(p.dtype) for d, p in zip(grads, primals))
 
 
-def _rule(*, backward: bool):
+def _rule(*, backward: bool, kept: int = 0):
   """The partitioning of the kernels and of the XLA formulas alike: over the experts' width
   ``f`` (Megatron's MLP: each device the gate and up columns and down rows of its share, the
   output summed over them) and the output features ``n``; the contraction ``k`` stays whole
   (the activation of a partial sum is not a partial sum), and so do the rows and the groups
-  (the groups' row offsets are global)."""
+  (the groups' row offsets are global). ``kept``: the kept products ``[m, f]`` after the
+  output (forward) or before ``g`` (backward)."""
   lhs, w_in, w_out, sizes, out = ("m", "k"), ("g", "k", "f"), ("g", "f", "n"), ("g",), ("m", "n")
+  products = (("m", "f"),) * kept
   if backward:
-    operands, results = (lhs, w_in, w_in, w_out, sizes, out), (lhs, w_in, w_in, w_out)
+    operands = (lhs, w_in, w_in, w_out, sizes, *products, out)
+    results = (lhs, w_in, w_in, w_out)
   else:
-    operands, results = (lhs, w_in, w_in, w_out, sizes), (out,)
+    operands, results = (lhs, w_in, w_in, w_out, sizes), (out, *products)
   return partitioning.Rule(operands, results, whole=("m", "g", "k"))
 
 
 def _fwd(cfg, lhs, gate, up, down, group_sizes):
-  # Residuals: the inputs only; the backward recomputes the gate and up products once.
-  residuals = (lhs, gate, up, down, group_sizes)
-  xla = functools.partial(_xla_forward, activation=cfg.activation, precision=cfg.precision)
+  # Residuals: the inputs and the kept products (named, so that a policy may drop them: then
+  # the forward runs again for them); the backward recomputes the others once.
+  inputs = (lhs, gate, up, down, group_sizes)
+  keep = cfg.keep
+  xla = functools.partial(_xla_forward, activation=cfg.activation, precision=cfg.precision,
+                          keep=keep)
   kernel = (functools.partial(_tiled_forward, activation=cfg.activation,
-                              precision=cfg.precision) if gmm._tiles_rows() else xla)
-  out = cfg.run("grouped_mlp_forward", xla, *residuals, rule=_rule(backward=False),
-                xla_kernel=kernel, activation=cfg.activation)
-  return out, residuals
+                              precision=cfg.precision, keep=keep)
+            if gmm._tiles_rows() else xla)
+  out = cfg.run("grouped_mlp_forward", xla, *inputs, rule=_rule(backward=False, kept=len(keep)),
+                xla_kernel=kernel, activation=cfg.activation, keep=keep)
+  if not keep:
+    return out, inputs
+  out, *kept = out
+  kept = [checkpoint_name(a, _NAMES[name]) for name, a in zip(keep, kept)]
+  return out, (*inputs, *kept)
 
 
 def _bwd(cfg, residuals, g):
-  xla = functools.partial(_xla_backward, activation=cfg.activation, precision=cfg.precision)
+  keep = cfg.keep
+  xla = functools.partial(_xla_backward, activation=cfg.activation, precision=cfg.precision,
+                          keep=keep)
   kernel = (functools.partial(_tiled_backward, activation=cfg.activation,
-                              precision=cfg.precision) if gmm._tiles_rows() else xla)
-  grads = cfg.run("grouped_mlp_backward", xla, *residuals, g, rule=_rule(backward=True),
-                  xla_kernel=kernel, activation=cfg.activation)
+                              precision=cfg.precision, keep=keep)
+            if gmm._tiles_rows() else xla)
+  grads = cfg.run("grouped_mlp_backward", xla, *residuals, g,
+                  rule=_rule(backward=True, kept=len(keep)), xla_kernel=kernel,
+                  activation=cfg.activation, keep=keep)
   return (*grads, None)
 
 

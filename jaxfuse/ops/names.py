@@ -29,17 +29,18 @@ name             value                                                 tagged by
 ``moe.router``   a MoE layer's router logits ``[tokens, experts]``     :mod:`jaxfuse.blocks.moe`
 ``moe.routing``  its top-k weights and the token-expert pairs' order   :mod:`jaxfuse.blocks.moe`
 ``moe.routed``   the rows sent to the experts, sorted by expert        :mod:`jaxfuse.blocks.moe`
-``moe.gate``     the experts' gate projections (grouped; unfused)      :mod:`jaxfuse.blocks.moe`
-``moe.up``       the experts' up projections (grouped; unfused)        :mod:`jaxfuse.blocks.moe`
+``moe.gate``     the experts' gate projections (grouped)               :mod:`jaxfuse.blocks.moe`
+``moe.up``       the experts' up projections (grouped)                 :mod:`jaxfuse.blocks.moe`
 ``moe.hidden``   the experts' hidden activations (unfused)             :mod:`jaxfuse.blocks.moe`
 ``moe.down``     the experts' outputs, before they are combined        :mod:`jaxfuse.blocks.moe`
 ===============  ====================================================  ==========================
 
 The fused MoE layer computes the experts' whole MLP as one op
-(:func:`~jaxfuse.ops.grouped_mlp`), which keeps only its inputs and recomputes the gate and up
-projections once in its backward: ``moe.gate``, ``moe.up`` and ``moe.hidden`` are values of the
-unfused layer only, and a policy that keeps them keeps nothing more in the fused one (keep
-``moe.routed`` or ``moe.down`` there).
+(:func:`~jaxfuse.ops.grouped_mlp`), which keeps its inputs and the products its ``keep`` names
+(``moe.gate``, ``moe.up``; none by default) and recomputes the others once in its backward. A
+policy over the fused layer chooses among what the op keeps: naming ``moe.gate`` keeps nothing
+more unless the op was asked to keep it (``DecoderConfig.expert_keep``), and dropping a kept
+product runs the op's forward again. ``moe.hidden`` is a value of the unfused layer only.
 
 Example:
   >>> from jaxfuse.ops import names
@@ -72,6 +73,8 @@ MOE_ROUTED = "moe.routed"
 MOE_GATE = "moe.gate"
 MOE_UP = "moe.up"
 MOE_HIDDEN = "moe.hidden"
+# The experts' products that the fused layer's op may keep (its ``keep``), by their short names.
+MOE_PRODUCTS = {"gate": MOE_GATE, "up": MOE_UP}
 MOE_DOWN = "moe.down"
 
 ALL = (BLOCK_INPUT, NORM_INPUT, NORM_MEAN, NORM_RSTD, NORM_OUT, ATTN_Q, ATTN_K, ATTN_V,

@@ -27,11 +27,14 @@ from .grouped_matmul import BLOCKS, NUM_STAGES, NUM_WARPS, _ieee, blocks_for, gm
 
 
 @triton.jit
-def _products(meta_ptr, lhs_ptr, gate_ptr, up_ptr, ROWS: tl.constexpr, SIZE_K: tl.constexpr,
-              SIZE_N: tl.constexpr, VISITS: tl.constexpr, IEEE: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-  """This program's visit: ``(lhs @ gate[e], lhs @ up[e])`` of its tile in float32, its output
-  offsets, the rows it reads and the mask of what it writes."""
+def _products(meta_ptr, lhs_ptr, gate_ptr, up_ptr, gate_kept_ptr, up_kept_ptr,
+              ROWS: tl.constexpr, SIZE_K: tl.constexpr, SIZE_N: tl.constexpr,
+              VISITS: tl.constexpr, IEEE: tl.constexpr, GIVEN_GATE: tl.constexpr,
+              GIVEN_UP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+              BLOCK_N: tl.constexpr):
+  """This program's visit: ``(lhs @ gate[e], lhs @ up[e])`` of its tile in float32 (a product
+  that is ``GIVEN`` read from its kept ``[ROWS, SIZE_N]`` array instead), its output offsets,
+  the rows it reads and the mask of what it writes."""
   v = tl.program_id(0)
   tile = tl.load(meta_ptr + v)
   group = tl.load(meta_ptr + VISITS + v)
@@ -48,6 +51,8 @@ def _products(meta_ptr, lhs_ptr, gate_ptr, up_ptr, ROWS: tl.constexpr, SIZE_K: t
   acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
   # The pseudo-group's visits (rows past the groups) run no K step: zeros, and act(0) * 0 = 0.
   steps = tl.where(read_hi > lo, (SIZE_K + BLOCK_K - 1) // BLOCK_K, 0)
+  if GIVEN_GATE and GIVEN_UP:
+    steps = 0
   for step in range(steps):
     ks = step * BLOCK_K + tl.arange(0, BLOCK_K)
     k_ok = ks < SIZE_K
@@ -55,16 +60,42 @@ def _products(meta_ptr, lhs_ptr, gate_ptr, up_ptr, ROWS: tl.constexpr, SIZE_K: t
                 mask=read[:, None] & k_ok[None, :], other=0.0)
     offsets = base + ks[:, None].to(tl.int64) * SIZE_N + cols[None, :]
     w_mask = k_ok[:, None] & cols_ok[None, :]
-    b_gate = tl.load(gate_ptr + offsets, mask=w_mask, other=0.0)
-    b_up = tl.load(up_ptr + offsets, mask=w_mask, other=0.0)
-    if IEEE:
-      acc_gate = tl.dot(a, b_gate, acc_gate, input_precision="ieee")
-      acc_up = tl.dot(a, b_up, acc_up, input_precision="ieee")
-    else:
-      acc_gate = tl.dot(a, b_gate, acc_gate)
-      acc_up = tl.dot(a, b_up, acc_up)
+    if not GIVEN_GATE:
+      b_gate = tl.load(gate_ptr + offsets, mask=w_mask, other=0.0)
+      if IEEE:
+        acc_gate = tl.dot(a, b_gate, acc_gate, input_precision="ieee")
+      else:
+        acc_gate = tl.dot(a, b_gate, acc_gate)
+    if not GIVEN_UP:
+      b_up = tl.load(up_ptr + offsets, mask=w_mask, other=0.0)
+      if IEEE:
+        acc_up = tl.dot(a, b_up, acc_up, input_precision="ieee")
+      else:
+        acc_up = tl.dot(a, b_up, acc_up)
   out = rows[:, None].to(tl.int64) * SIZE_N + cols[None, :]
+  given_mask = read[:, None] & cols_ok[None, :]
+  if GIVEN_GATE:
+    acc_gate = tl.load(gate_kept_ptr + out, mask=given_mask, other=0.0).to(tl.float32)
+  if GIVEN_UP:
+    acc_up = tl.load(up_kept_ptr + out, mask=given_mask, other=0.0).to(tl.float32)
   return acc_gate, acc_up, out, read, write[:, None] & cols_ok[None, :]
+
+
+@triton.jit
+def _forward(meta_ptr, lhs_ptr, gate_ptr, up_ptr, out_ptr, gate_kept_ptr, up_kept_ptr,
+             ROWS: tl.constexpr, SIZE_K: tl.constexpr, SIZE_N: tl.constexpr,
+             VISITS: tl.constexpr, IEEE: tl.constexpr, ACT: tl.constexpr,
+             KEEP_GATE: tl.constexpr, KEEP_UP: tl.constexpr, BLOCK_M: tl.constexpr,
+             BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+  h_gate, h_up, out, _, mask = _products(meta_ptr, lhs_ptr, gate_ptr, up_ptr, lhs_ptr, lhs_ptr,
+                                         ROWS, SIZE_K, SIZE_N, VISITS, IEEE, False, False,
+                                         BLOCK_M, BLOCK_K, BLOCK_N)
+  y = activation(h_gate, ACT) * h_up
+  tl.store(out_ptr + out, y.to(out_ptr.dtype.element_ty), mask=mask)
+  if KEEP_GATE:
+    tl.store(gate_kept_ptr + out, h_gate.to(gate_kept_ptr.dtype.element_ty), mask=mask)
+  if KEEP_UP:
+    tl.store(up_kept_ptr + out, h_up.to(up_kept_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -74,20 +105,41 @@ def grouped_glu_fwd_kernel(meta_ptr, lhs_ptr, gate_ptr, up_ptr, out_ptr, ROWS: t
                            BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
   """``act(lhs_e @ gate[e]) * (lhs_e @ up[e])`` of one visit and column tile; ``meta_ptr``:
   int32 ``[5, VISITS]`` (see ``group_metadata``)."""
-  h_gate, h_up, out, _, mask = _products(meta_ptr, lhs_ptr, gate_ptr, up_ptr, ROWS, SIZE_K,
-                                         SIZE_N, VISITS, IEEE, BLOCK_M, BLOCK_K, BLOCK_N)
-  y = activation(h_gate, ACT) * h_up
-  tl.store(out_ptr + out, y.to(out_ptr.dtype.element_ty), mask=mask)
+  _forward(meta_ptr, lhs_ptr, gate_ptr, up_ptr, out_ptr, out_ptr, out_ptr, ROWS, SIZE_K, SIZE_N,
+           VISITS, IEEE, ACT, False, False, BLOCK_M, BLOCK_K, BLOCK_N)
 
 
 @triton.jit
-def _dproducts(meta_ptr, lhs_ptr, gate_ptr, up_ptr, g_ptr, d_gate_ptr, d_up_ptr, hidden_ptr,
-               ROWS: tl.constexpr, SIZE_K: tl.constexpr, SIZE_N: tl.constexpr,
-               VISITS: tl.constexpr, IEEE: tl.constexpr, ACT: tl.constexpr,
-               HIDDEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+def grouped_mlp_fwd_kernel(meta_ptr, lhs_ptr, gate_ptr, up_ptr, out_ptr, first_kept_ptr,
+                           second_kept_ptr, ROWS: tl.constexpr, SIZE_K: tl.constexpr,
+                           SIZE_N: tl.constexpr, VISITS: tl.constexpr, IEEE: tl.constexpr,
+                           ACT: tl.constexpr, KEEP_GATE: tl.constexpr, KEEP_UP: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                           BLOCK_N: tl.constexpr):
+  """:func:`grouped_glu_fwd_kernel` that also writes the products it keeps (float32
+  accumulators rounded to the arrays' dtype): the kept ones in the order gate, up, from
+  ``first_kept_ptr`` (``second_kept_ptr``: a ``[1, 1]`` array not written when one is
+  kept)."""
+  if KEEP_GATE:
+    _forward(meta_ptr, lhs_ptr, gate_ptr, up_ptr, out_ptr, first_kept_ptr, second_kept_ptr,
+             ROWS, SIZE_K, SIZE_N, VISITS, IEEE, ACT, True, KEEP_UP, BLOCK_M, BLOCK_K,
+             BLOCK_N)
+  else:
+    _forward(meta_ptr, lhs_ptr, gate_ptr, up_ptr, out_ptr, second_kept_ptr, first_kept_ptr,
+             ROWS, SIZE_K, SIZE_N, VISITS, IEEE, ACT, False, KEEP_UP, BLOCK_M, BLOCK_K,
+             BLOCK_N)
+
+
+@triton.jit
+def _dproducts(meta_ptr, lhs_ptr, gate_ptr, up_ptr, gate_kept_ptr, up_kept_ptr, g_ptr,
+               d_gate_ptr, d_up_ptr, hidden_ptr, ROWS: tl.constexpr, SIZE_K: tl.constexpr,
+               SIZE_N: tl.constexpr, VISITS: tl.constexpr, IEEE: tl.constexpr,
+               ACT: tl.constexpr, HIDDEN: tl.constexpr, GIVEN_GATE: tl.constexpr,
+               GIVEN_UP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                BLOCK_N: tl.constexpr):
-  h_gate, h_up, out, read, mask = _products(meta_ptr, lhs_ptr, gate_ptr, up_ptr, ROWS, SIZE_K,
-                                            SIZE_N, VISITS, IEEE, BLOCK_M, BLOCK_K, BLOCK_N)
+  h_gate, h_up, out, read, mask = _products(meta_ptr, lhs_ptr, gate_ptr, up_ptr, gate_kept_ptr,
+                                            up_kept_ptr, ROWS, SIZE_K, SIZE_N, VISITS, IEEE,
+                                            GIVEN_GATE, GIVEN_UP, BLOCK_M, BLOCK_K, BLOCK_N)
   act = activation(h_gate, ACT)
   if HIDDEN:
     tl.store(hidden_ptr + out, (act * h_up).to(hidden_ptr.dtype.element_ty), mask=mask)
@@ -106,24 +158,33 @@ def grouped_glu_dproducts_kernel(meta_ptr, lhs_ptr, gate_ptr, up_ptr, g_ptr, d_g
                                  BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
   """The products' gradients of one visit and column tile: ``g * up_e * act'(gate_e)`` and
   ``g * act(gate_e)``, the products recomputed; zeros past the groups."""
-  _dproducts(meta_ptr, lhs_ptr, gate_ptr, up_ptr, g_ptr, d_gate_ptr, d_up_ptr, d_up_ptr, ROWS,
-             SIZE_K, SIZE_N, VISITS, IEEE, ACT, False, BLOCK_M, BLOCK_K, BLOCK_N)
+  _dproducts(meta_ptr, lhs_ptr, gate_ptr, up_ptr, lhs_ptr, lhs_ptr, g_ptr, d_gate_ptr,
+             d_up_ptr, d_up_ptr, ROWS, SIZE_K, SIZE_N, VISITS, IEEE, ACT, False, False, False,
+             BLOCK_M, BLOCK_K, BLOCK_N)
 
 
 @triton.jit
-def grouped_mlp_dproducts_kernel(meta_ptr, lhs_ptr, gate_ptr, up_ptr, g_ptr, d_gate_ptr,
-                                 d_up_ptr, hidden_ptr, ROWS: tl.constexpr,
-                                 SIZE_K: tl.constexpr, SIZE_N: tl.constexpr,
-                                 VISITS: tl.constexpr, IEEE: tl.constexpr, ACT: tl.constexpr,
-                                 BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                                 BLOCK_N: tl.constexpr):
+def grouped_mlp_dproducts_kernel(meta_ptr, lhs_ptr, gate_ptr, up_ptr, gate_kept_ptr,
+                                 up_kept_ptr, g_ptr, d_gate_ptr, d_up_ptr, hidden_ptr,
+                                 ROWS: tl.constexpr, SIZE_K: tl.constexpr,
+                                 SIZE_N: tl.constexpr, VISITS: tl.constexpr, IEEE: tl.constexpr,
+                                 ACT: tl.constexpr, GIVEN_GATE: tl.constexpr,
+                                 GIVEN_UP: tl.constexpr, BLOCK_M: tl.constexpr,
+                                 BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
   """:func:`grouped_glu_dproducts_kernel` for the gradient ``g`` of the gated unit, which it
-  also writes: ``act(gate_e) * up_e``, for the down projection's weight gradient."""
-  _dproducts(meta_ptr, lhs_ptr, gate_ptr, up_ptr, g_ptr, d_gate_ptr, d_up_ptr, hidden_ptr,
-             ROWS, SIZE_K, SIZE_N, VISITS, IEEE, ACT, True, BLOCK_M, BLOCK_K, BLOCK_N)
+  also writes: ``act(gate_e) * up_e``, for the down projection's weight gradient. A product
+  that is ``GIVEN`` is read from its kept array (the forward's) instead of recomputed; one that
+  is not is passed as any array and not read."""
+  _dproducts(meta_ptr, lhs_ptr, gate_ptr, up_ptr, gate_kept_ptr, up_kept_ptr, g_ptr,
+             d_gate_ptr, d_up_ptr, hidden_ptr, ROWS, SIZE_K, SIZE_N, VISITS, IEEE, ACT, True,
+             GIVEN_GATE, GIVEN_UP, BLOCK_M, BLOCK_K, BLOCK_N)
 
 
-def _launch(kernel, lhs, gate, up, group_sizes, extra, n_out, activation: str, blocks):
+def _launch(kernel, lhs, gate, up, group_sizes, extra, n_out, activation: str, blocks,
+            flags=None, dummies=0):
+  """One launch over the visits and column tiles: ``n_out`` ``[M, N]`` outputs in lhs's dtype,
+  then ``dummies`` ``[1, 1]`` ones that the kernel does not write; ``flags``: its other
+  constexpr arguments."""
   import jax
   import jax.numpy as jnp
 
@@ -139,14 +200,15 @@ def _launch(kernel, lhs, gate, up, group_sizes, extra, n_out, activation: str, b
   meta = group_metadata(group_sizes, rows, block_m)
   import jax_triton  # after the checks: without a GPU it raises ImportError
 
+  shapes = [out] * n_out + [jax.ShapeDtypeStruct((1, 1), lhs.dtype)] * dummies
   result = jax_triton.triton_call(
       meta, lhs, gate, up, *extra, kernel=kernel,
-      out_shape=out if n_out == 1 else [out] * n_out,
+      out_shape=shapes[0] if len(shapes) == 1 else shapes,
       grid=(meta.shape[1], math.ceil(size_n / block_n)), num_warps=NUM_WARPS,
       num_stages=NUM_STAGES, ROWS=rows, SIZE_K=size_k, SIZE_N=size_n, VISITS=meta.shape[1],
-      IEEE=_ieee(lhs, gate, up), ACT=activation, BLOCK_M=block_m, BLOCK_K=block_k,
-      BLOCK_N=block_n)
-  return result if n_out == 1 else tuple(result)
+      IEEE=_ieee(lhs, gate, up), ACT=activation, **(flags or {}), BLOCK_M=block_m,
+      BLOCK_K=block_k, BLOCK_N=block_n)
+  return result if len(shapes) == 1 else tuple(result)[:n_out]
 
 
 def grouped_glu_forward(lhs, gate, up, group_sizes, *, activation: str,
@@ -174,22 +236,40 @@ def grouped_glu_backward(lhs, gate, up, group_sizes, g, *, activation: str):
   return _products_backward(lhs, gate, up, group_sizes, d_gate_out, d_up_out)
 
 
-def grouped_mlp_forward(lhs, gate, up, down, group_sizes, *, activation: str):
+def _keep_flags(keep, prefix):
+  return {f"{prefix}_GATE": "gate" in keep, f"{prefix}_UP": "up" in keep}
+
+
+def grouped_mlp_forward(lhs, gate, up, down, group_sizes, *, activation: str,
+                        keep: tuple[str, ...] = ()):
   """``[M, N]``: the experts' MLP, :func:`grouped_glu_fwd_kernel` then each group's down
-  product (``gmm_kernel``), zeros past the groups (GPU)."""
-  hidden = grouped_glu_forward(lhs, gate, up, group_sizes, activation=activation)
-  return gmm(hidden, down, group_sizes)
+  product (``gmm_kernel``), zeros past the groups (GPU). With ``keep`` (``"gate"``,
+  ``"up"``): ``(out, *products)``, the kept products ``[M, F]`` in lhs's dtype written by
+  :func:`grouped_mlp_fwd_kernel`."""
+  if not keep:
+    hidden = grouped_glu_forward(lhs, gate, up, group_sizes, activation=activation)
+    return gmm(hidden, down, group_sizes)
+  hidden, *kept = _launch(grouped_mlp_fwd_kernel, lhs, gate, up, group_sizes, (),
+                          1 + len(keep), activation, BLOCKS, _keep_flags(keep, "KEEP"),
+                          dummies=2 - len(keep))
+  return (gmm(hidden, down, group_sizes), *kept)
 
 
-def grouped_mlp_backward(lhs, gate, up, down, group_sizes, g, *, activation: str):
+def grouped_mlp_backward(lhs, gate, up, down, group_sizes, *kept_and_g, activation: str,
+                         keep: tuple[str, ...] = ()):
   """``(d lhs, d gate, d up, d down)`` of the experts' MLP (``grouped_glu_forward`` then the
-  down product) for the output gradient ``g``, the gate and up products recomputed once:
+  down product) for the output gradient ``g`` (the last array), the gate and up products that
+  ``keep`` does not name recomputed once (those it names come before ``g``):
   ``d hidden = g @ down[e]^T`` (``gmm_kernel``, rounded to lhs's dtype);
   :func:`grouped_mlp_dproducts_kernel`, which also writes the gated unit; ``d down`` from it
   (``tgmm_kernel``); then :func:`grouped_glu_backward`'s products."""
+  *kept, g = kept_and_g
+  given = dict(zip(keep, kept))
   d_hidden = gmm(g, down, group_sizes, transpose_rhs=True, out_dtype=lhs.dtype)
-  d_gate_out, d_up_out, hidden = _launch(grouped_mlp_dproducts_kernel, lhs, gate, up,
-                                         group_sizes, (d_hidden,), 3, activation, BLOCKS)
+  d_gate_out, d_up_out, hidden = _launch(
+      grouped_mlp_dproducts_kernel, lhs, gate, up, group_sizes,
+      (given.get("gate", lhs), given.get("up", lhs), d_hidden), 3, activation, BLOCKS,
+      _keep_flags(keep, "GIVEN"))
   d_down = tgmm(hidden, g, group_sizes, out_dtype=down.dtype)
   return (*_products_backward(lhs, gate, up, group_sizes, d_gate_out, d_up_out), d_down)
 

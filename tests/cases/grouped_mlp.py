@@ -10,10 +10,10 @@ from tests.cases import Bad, Case, Mesh
 from tests.cases.grouped_matmul import sizes
 
 
-def _call(pattern, activation):
+def _call(pattern, activation, keep):
   def call(lhs, gate, up, down, implementation):
     return ops.grouped_mlp(lhs, gate, up, down, sizes(lhs.shape[0], gate.shape[0], pattern),
-                           activation=activation, implementation=implementation)
+                           activation=activation, implementation=implementation, keep=keep)
   return call
 
 
@@ -39,12 +39,16 @@ def _draw(rng):
 KERNELS = ("grouped_glu_dgate", "grouped_glu_dlhs_gate", "grouped_glu_dlhs_up",
            "grouped_glu_dup", "grouped_glu_fwd", "grouped_mlp_ddown", "grouped_mlp_dhidden",
            "grouped_mlp_down", "grouped_mlp_dproducts")
+# Keeping products: the forward's first kernel also writes them (another name), the backward
+# reads them in the same kernels.
+KEEP_KERNELS = tuple(sorted(("grouped_mlp_fwd" if k == "grouped_glu_fwd" else k)
+                            for k in KERNELS))
 SHAPES = ((1024, 256), (8, 256, 512), (8, 256, 512), (8, 512, 256))
 WEIRD = ((37, 23), (4, 23, 41), (4, 23, 41), (4, 41, 19))
 
 
-def _case(label, pattern, activation="silu", shapes=SHAPES, weird=WEIRD, **kwargs):
-  return Case("grouped_mlp", label, _call(pattern, activation), _twin(pattern, activation),
+def _case(label, pattern, activation="silu", shapes=SHAPES, weird=WEIRD, keep=(), **kwargs):
+  return Case("grouped_mlp", label, _call(pattern, activation, keep), _twin(pattern, activation),
               shapes, weird, reference=_reference(pattern, activation), **kwargs)
 
 
@@ -60,6 +64,14 @@ CASES = [
     _case("one expert takes all", "one expert takes all", weird=((37, 23), (1, 23, 41),
                                                                 (1, 23, 41), (1, 41, 23))),
     _case("gelu", "", "gelu", draw=_draw),
+    # Kept products: the backward reads them instead of recomputing them.
+    _case("keep gate", "", keep="gate", draw=_draw, kernels=KEEP_KERNELS,
+          mesh=Mesh(((16, 32), (4, 32, 48), (4, 32, 48), (4, 48, 32)),
+                    ((None, None), (None, None, "model"), (None, None, "model"),
+                     (None, "model", None)), local=False, tolerance=1e-4)),
+    _case("keep gate, up", "sum < M", keep=("up", "gate"),
+          weird=((45, 23), (5, 23, 19), (5, 23, 19), (5, 19, 7)), kernels=KEEP_KERNELS),
+    _case("keep up, gelu", "", "gelu", keep="up"),
 ]
 
 LHS, W, D = jnp.ones((6, 4)), jnp.ones((3, 4, 5)), jnp.ones((3, 5, 2))
@@ -90,4 +102,9 @@ BAD = [
         ValueError, r"^grouped_mlp: gate, up must have the same shape"),
     Bad("grouped_mlp", "activation name", _op(activation="swish"),
         ValueError, r"^grouped_mlp: activation must be a callable or one of \['gelu',"),
+    Bad("grouped_mlp", "keep a product it has not", _op(keep=("gate", "hidden")),
+        ValueError, r"^grouped_mlp: keep takes distinct names among \('gate', 'up'\), got "
+                    r"\('gate', 'hidden'\)"),
+    Bad("grouped_mlp", "keep one twice", _op(keep=("up", "up")),
+        ValueError, r"^grouped_mlp: keep takes distinct names among"),
 ]
