@@ -7,6 +7,10 @@ are already there, or ``--system-env`` is given); they apply to every candidate 
   trimming). By default each step that allocates large outputs gets fresh pages and pays page
   faults again: XLA allocates its outputs on its own threads, and page faults can take more
   time than its loops (compare a suite's times with ``--system-env``).
+- except for the ``train`` suite, whose rows hold gigabytes each: a heap that never shrinks
+  grew past 22 GB there (one case's process holds four models' steps). There blocks of 64 MiB
+  and more are mapped for themselves and given back when freed (``MALLOC_MMAP_THRESHOLD_``),
+  as glibc does by default above 32 MiB; smaller ones are kept for reuse.
 - ``OMP_WAIT_POLICY=PASSIVE``: torch's OpenMP threads otherwise spin after each torch call on
   the cores the next (JAX) candidate needs; torch's own times did not change with it.
 - the ``shard`` suite gets 8 simulated CPU devices
@@ -22,6 +26,19 @@ SETTINGS = {
     "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1),
     "OMP_WAIT_POLICY": "PASSIVE",
 }
+# Suites whose settings differ: the names to leave out and those to set.
+SUITE_SETTINGS = {
+    "train": ({"MALLOC_MMAP_MAX_"}, {"MALLOC_MMAP_THRESHOLD_": str(64 << 20)}),
+}
+# Every name a suite's settings may set (the records' time source lists those in force).
+NAMES = tuple(dict.fromkeys([*SETTINGS, *(n for _, extra in SUITE_SETTINGS.values()
+                                           for n in extra)]))
+
+
+def settings(suite: str | None) -> dict[str, str]:
+  """The process settings of ``suite``."""
+  left_out, extra = SUITE_SETTINGS.get(suite, (set(), {}))
+  return {**{k: v for k, v in SETTINGS.items() if k not in left_out}, **extra}
 
 
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
@@ -41,14 +58,15 @@ def _device_flags() -> str | None:
 
 def _restart_with_settings() -> None:
   devices = _device_flags()
-  settings_missing = not all(k in os.environ for k in SETTINGS)
+  wanted = settings(sys.argv[1] if len(sys.argv) > 1 else None)
+  settings_missing = not all(k in os.environ for k in wanted)
   if "--system-env" in sys.argv:
     settings_missing = False
   if not settings_missing and devices is None:
     return
   env = dict(os.environ)
   if settings_missing:
-    env = {**SETTINGS, **env}
+    env = {**wanted, **env}
   if devices is not None:
     env["XLA_FLAGS"] = devices
   os.execve(sys.executable, [sys.executable, "-m", "benchmarks", *sys.argv[1:]], env)

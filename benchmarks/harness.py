@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import jax
@@ -291,10 +292,20 @@ def record_compiled_figures(record: rec.Record, step: Callable, args: Sequence,
 
 
 def time_source(t: Mapping | None) -> str:
-  """How a ``time_ms`` figure was taken."""
+  """How a ``time_ms`` figure was taken, and the process settings of ``benchmarks.__main__``
+  in force (``system settings`` where none is)."""
   runs = (t or {}).get("runs")
   rounds = f"{runs} interleaved rounds" if runs else "interleaved rounds"
-  return f"median of {rounds} after warm-up, candidates in shuffled order"
+  return f"median of {rounds} after warm-up, candidates in shuffled order; {process_settings()}"
+
+
+def process_settings() -> str:
+  """The settings of ``python -m benchmarks`` (``benchmarks.__main__``) that this process
+  runs with."""
+  from benchmarks.__main__ import NAMES
+
+  found = [f"{k}={os.environ[k]}" for k in NAMES if k in os.environ]
+  return "process: " + (" ".join(found) if found else "system settings")
 
 
 def ratio_to_fastest(records: Sequence[rec.Record], peers: Sequence[str]) -> None:

@@ -224,9 +224,28 @@ def test_kernel_and_compiled_figures():
   assert set(r.sources) == {"xla_bytes_accessed", "temp_bytes"}
 
 
-def test_time_source_names_the_rounds():
-  assert harness.time_source({"median": 1, "min": 1, "max": 1, "runs": 9}).startswith(
-      "median of 9 interleaved rounds")
+def test_time_source_names_the_rounds_and_the_process_settings(monkeypatch):
+  from benchmarks import __main__ as entry
+
+  for name in entry.NAMES:
+    monkeypatch.delenv(name, raising=False)
+  t = {"median": 1, "min": 1, "max": 1, "runs": 9}
+  assert harness.time_source(t).startswith("median of 9 interleaved rounds")
+  assert harness.time_source(t).endswith("; process: system settings")
+  for name, value in entry.settings("train").items():
+    monkeypatch.setenv(name, value)
+  assert harness.time_source(t).endswith(
+      "; process: MALLOC_ARENA_MAX=1 MALLOC_TRIM_THRESHOLD_=2147483647 OMP_WAIT_POLICY=PASSIVE "
+      f"MALLOC_MMAP_THRESHOLD_={64 << 20}")
+
+
+def test_the_train_suite_maps_large_blocks_and_the_others_keep_them():
+  from benchmarks import __main__ as entry
+
+  assert entry.settings("norm") == entry.SETTINGS
+  assert entry.settings("norm")["MALLOC_MMAP_MAX_"] == "0"
+  train = entry.settings("train")
+  assert "MALLOC_MMAP_MAX_" not in train and train["MALLOC_MMAP_THRESHOLD_"] == str(64 << 20)
 
 
 # jaxfuse's rows ---------------------------------------------------------------------------------
