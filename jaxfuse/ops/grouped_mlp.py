@@ -5,8 +5,8 @@
 ``[M, K]``, sorted by group (expert), through each group's gated MLP (``gate``, ``up``
 ``[G, K, F]``, ``down`` ``[G, F, N]``). Rows past ``sum(group_sizes)`` come out as zeros.
 
-One ``custom_vjp`` covers the three products and keeps only its inputs; the backward
-recomputes the gate and up products once:
+One ``custom_vjp`` covers the three products and, by default, keeps only its inputs; the
+backward recomputes the gate and up products once:
 
 - forward: ``a = lhs_e @ gate[e]`` and ``b = lhs_e @ up[e]`` (float32), ``h = act(a) * b``
   rounded to the inputs' dtype, ``out = h_e @ down[e]``;
@@ -19,15 +19,20 @@ recomputes the gate and up products once:
 
 Composed of :func:`grouped_glu` and :func:`grouped_matmul` under ``jax.checkpoint`` instead,
 the backward would run the gate and up products twice (once to recompute ``h`` for
-``d down``, once in ``grouped_glu``'s own backward). No computed value is kept, so the op
-tags no residual name.
+``d down``, once in ``grouped_glu``'s own backward).
+
+``keep`` trades memory for one of those products each: ``keep=("gate",)`` keeps ``a`` (in
+the inputs' dtype, named ``moe.gate``; ``"up"``: ``b``, ``moe.up``), which the forward writes
+and the backward reads instead of recomputing it: ten grouped products a step (nine with both)
+for ``M·F`` more elements of residuals each.
 
 With kernels (Pallas, Triton) the forward is :func:`jaxfuse.ops.grouped_glu`'s fused kernel
 (the activation in the products' epilogue: ``a`` and ``b`` never reach memory) and the down
 product's kernel. The backward (``grouped_mlp_backward`` of the kernel modules) takes
 ``d h = g @ down[e]^T`` first, then recomputes the gate and up products once in a kernel whose
 epilogue writes ``d a``, ``d b`` and ``h`` (for ``d down``): the same eight products as the XLA
-path, and ``a``, ``b`` never reach memory.
+path, and ``a``, ``b`` never reach memory. Kept products are written by the forward's first
+kernel and read by that backward kernel, whose K loop then computes only the others.
 """
 
 from __future__ import annotations
