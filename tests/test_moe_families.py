@@ -295,6 +295,19 @@ def test_a_layer_that_keeps_expert_products_keeps_them_and_nothing_else_changes(
     cfg.replace(expert_keep=("hidden",))
 
 
+def test_the_train_cli_keeps_the_expert_products_it_is_asked_to(checkpoint):
+  from jaxfuse.train import config, model
+
+  _, _, directory = checkpoint
+  built, _ = model.build(config.TrainConfig(init_from=str(directory), expert_keep="up,gate"))
+  assert built.cfg.expert_keep == ("gate", "up")
+  for bad, message in ((dict(expert_keep="gate"), "--expert-keep needs --init-from"),
+                       (dict(init_from=str(directory), expert_keep="gate,hidden"),
+                        "--expert-keep takes gate, up or gate,up, got 'gate,hidden'")):
+    with pytest.raises(ValueError, match=message):
+      config.check_config(config.TrainConfig(**bad))
+
+
 # The decoder -----------------------------------------------------------------------------------
 
 

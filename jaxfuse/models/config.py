@@ -158,8 +158,10 @@ class DecoderConfig:
       object.__setattr__(self, "layer_types", tuple(self.layer_types))
     if self.num_experts and self.expert_mlp_dim is None:
       object.__setattr__(self, "expert_mlp_dim", self.mlp_dim)
-    keep = (self.expert_keep,) if isinstance(self.expert_keep, str) else self.expert_keep
-    object.__setattr__(self, "expert_keep", tuple(keep))
+    keep = (self.expert_keep,) if isinstance(self.expert_keep, str) else tuple(self.expert_keep)
+    if len(set(keep)) == len(keep) and set(keep) <= {"gate", "up"}:   # in one order (else refused)
+      keep = tuple(name for name in ("gate", "up") if name in keep)
+    object.__setattr__(self, "expert_keep", keep)
     self._check()
 
   def _check(self):

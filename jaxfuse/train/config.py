@@ -66,6 +66,7 @@ class TrainConfig:
   lora_rank: int | None = None      # train LoRA adapters of this rank; the base stays frozen
   lora_alpha: float | None = None   # adapters scaled by alpha / rank (default: 2 x rank)
   lora_targets: str = "q,k,v,o,gate,up,down"  # the projections that get adapters
+  expert_keep: str | None = None    # MoE: keep the experts' "gate", "up" or "gate,up" products
   export_hf: str | None = None      # at the end, write a Hugging Face checkpoint here
   out: str = "runs/jaxfuse-train"
   resume: bool = False
@@ -112,6 +113,7 @@ def check_config(cfg: TrainConfig) -> None:
     mesh_shape(cfg)
   _check_data(cfg)
   _check_lora(cfg)
+  expert_keep(cfg)
   joined = processes(cfg)
   if cfg.mesh is None and (cfg.distributed or (joined and joined[1] > 1)):
     raise ValueError(f"{'--distributed' if cfg.distributed else '--coordinator'} trains on the "
@@ -262,6 +264,18 @@ def lora_targets(cfg: TrainConfig) -> tuple[str, ...]:
     raise ValueError(f"--lora-targets takes a comma-separated subset of "
                      f"{','.join(LORA_TARGETS)}, got {cfg.lora_targets!r}")
   return targets
+
+
+def expert_keep(cfg: TrainConfig) -> tuple[str, ...]:
+  """``--expert-keep`` as a tuple of product names (``DecoderConfig.expert_keep``)."""
+  if cfg.expert_keep is None:
+    return ()
+  if not cfg.init_from:
+    raise ValueError("--expert-keep needs --init-from a Mixture-of-Experts checkpoint")
+  names = tuple(t.strip() for t in cfg.expert_keep.split(",") if t.strip())
+  if not names or len(set(names)) != len(names) or not set(names) <= {"gate", "up"}:
+    raise ValueError(f"--expert-keep takes gate, up or gate,up, got {cfg.expert_keep!r}")
+  return names
 
 
 def lora_alpha(cfg: TrainConfig) -> float:

@@ -1,7 +1,8 @@
 """The model a run trains and its optimizer, and text sampled from the trained model.
 
 The model is :class:`jaxfuse.models.Decoder`, from scratch or ``--init-from`` a Hugging Face
-directory, with the recomputation the options ask for and, with ``--lora-rank``, LoRA adapters
+directory (its MoE layers keeping the experts' products ``--expert-keep`` names), with the
+recomputation the options ask for and, with ``--lora-rank``, LoRA adapters
 (:func:`jaxfuse.nnx.apply_lora`). The optimizer is optax AdamW with linear warm-up, cosine
 decay and global-norm gradient clipping, in an ``nnx.Optimizer`` over the ``nnx.Param``
 variables (only the ``nnx.LoRAParam`` adapters with LoRA: the base stays frozen).
@@ -33,8 +34,13 @@ def build(cfg: TrainConfig, tokenizer: Any = None) -> tuple[Decoder, nnx.Optimiz
   if cfg.init_from:
     from jaxfuse import interop
 
+    keep = config.expert_keep(cfg)
     model = interop.from_pretrained(cfg.init_from, dtype=jnp.dtype(cfg.dtype), fused=fused,
-                                    remat=policy, scan_layers=cfg.scan_layers)
+                                    remat=policy, scan_layers=cfg.scan_layers,
+                                    **({"expert_keep": keep} if keep else {}))
+    if keep and not model.cfg.num_experts:
+      raise ValueError(f"--expert-keep: the model at --init-from {cfg.init_from} has no "
+                       f"experts")
   else:
     vocab = 256 if tokenizer is None else len(tokenizer)
     model = Decoder(cfg.model_config(vocab), fused=fused, scan_layers=cfg.scan_layers,
