@@ -136,3 +136,16 @@ def test_a_policy_that_drops_the_kept_product_runs_the_forward_again():
                                      policy=checkpoint_policies.nothing_saveable),
                       lhs, gate, up, down)
   assert dropped == [], dropped
+
+
+def test_a_call_that_is_not_differentiated_writes_no_product():
+  import jaxfuse
+
+  lhs, gate, up, down, _ = _inputs()
+  sizes = jnp.array(SIZES, jnp.int32)
+  call = lambda *a: ops.grouped_mlp(*a, sizes, implementation="pallas", keep="gate")
+  with jaxfuse.pallas_interpret(True):
+    forward = str(jax.make_jaxpr(call)(lhs, gate, up, down))
+    both = str(jax.make_jaxpr(jax.grad(lambda *a: call(*a).sum()))(lhs, gate, up, down))
+  assert "grouped_glu_fwd" in forward and "grouped_mlp_fwd" not in forward
+  assert "grouped_mlp_fwd" in both and "grouped_glu_fwd" not in both

@@ -345,7 +345,8 @@ def _bwd(cfg, residuals, g):
 @partitioning.matching_vma
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _grouped_mlp(cfg, lhs, gate, up, down, group_sizes):
-  return _fwd(cfg, lhs, gate, up, down, group_sizes)[0]
+  # Not differentiated: nothing is kept, so no product is written.
+  return _fwd(dataclasses.replace(cfg, keep=()), lhs, gate, up, down, group_sizes)[0]
 
 
 _grouped_mlp.defvjp(_fwd, _bwd)
