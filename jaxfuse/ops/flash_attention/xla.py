@@ -52,7 +52,7 @@ XLA_LONG_BLOCK = 512
 # are vmapped together. Measured on a 2-core Xeon, causal, batch 1, 8 heads, head dim 64,
 # forward + backward, least of 20 interleaved runs, strips / tiles / torch SDPA: T=256 4.7 /
 # 5.9 / 4.2 ms; T=512 14.0 / 16.4 / 13.4; T=1024 34.7 / 41.2 / 37.0; T=2048 135 / 133 / 121;
-# T=4096 504 / 484 / 446. Vmapping more units was slower (T=1024, units vmapped in the
+# T=4096 504 / 484 / 446. At T=1024 vmapping more units was slower (units vmapped in the
 # forward / backward: 2 / 2 42.7 ms, 2 / 1 35.0 ms, 8 / 1 51.4 ms). At T=1024 the strips' time
 # is bimodal between processes: about 35 ms in some and 52 in others (forward and backward
 # alike, both cores busy in both), while T=1000 and the tile path at T=1024 (42 ms) are not.
@@ -63,7 +63,12 @@ XLA_MAX_STRIPS = 32             # strips are unrolled: longer sequences get tall
 XLA_STRIP_MAX_LENGTH = 2048     # longer sequences run the tile path (as fast at T=4096)
 XLA_STRIP_MAX_SCORES = 1 << 21  # score elements of one strip, above which the tile path runs
 XLA_STRIP_BATCH_SCORES = 1 << 18  # score elements of the units computed together: forward
-XLA_STRIP_BACKWARD_BATCH_SCORES = 1 << 16  # ... backward
+XLA_STRIP_BACKWARD_BATCH_SCORES = 1 << 22  # ... backward
+# ... except for lengths in (lo, hi]: there the backward takes one unit at a time. Measured as
+# above, fwd+bwd over torch SDPA in one process, backward budget 2**16 / 2**22: T=256 1.28 /
+# 1.03x; T=512 1.04 / 0.85x; T=1024 0.92 / 0.99x; T=2048 1.12 / 1.01x (medians of 15 rounds;
+# two more processes at each length agreed within 0.12x).
+XLA_STRIP_BACKWARD_ONE_UNIT = (512, 1024)
 
 
 def xla_block_size(tq: int, tk: int) -> int:
@@ -600,8 +605,10 @@ def backward(q, k, v, q_seg, kv_seg, kv_lengths, bias, o, lse, do, cfg):
     dbias, (dq, dk, dv) = lax.scan(unit, dbias0, xs)
   else:
     dbias = None
+    lo, hi = XLA_STRIP_BACKWARD_ONE_UNIT
+    budget = 0 if lo < max(tq, tk) <= hi else XLA_STRIP_BACKWARD_BATCH_SCORES
     dq, dk, dv = lax.map(lambda a: unit(None, a)[1], xs,
-                         batch_size=_unit_batch(un, height, XLA_STRIP_BACKWARD_BATCH_SCORES))
+                         batch_size=_unit_batch(un, height, budget))
   dq = dq.reshape(b, hkv, tqp, g, d)[:, :, :tq].transpose(0, 2, 1, 3, 4).reshape(b, tq, hq, d)
   dq = (dq * cfg.scale).astype(q.dtype)
 
