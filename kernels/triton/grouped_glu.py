@@ -23,7 +23,8 @@ import triton
 import triton.language as tl
 
 from .elementwise import ACTIVATIONS, activation, activation_grad, refuses  # noqa: F401
-from .grouped_matmul import BLOCKS, NUM_STAGES, NUM_WARPS, _ieee, blocks_for, gmm, tgmm
+from .grouped_matmul import (BLOCKS, NUM_STAGES, NUM_WARPS, _ieee, blocks_for, dot_accumulate, gmm,
+                             tgmm)
 
 
 @triton.jit
@@ -62,16 +63,10 @@ def _products(meta_ptr, lhs_ptr, gate_ptr, up_ptr, gate_kept_ptr, up_kept_ptr,
     w_mask = k_ok[:, None] & cols_ok[None, :]
     if not GIVEN_GATE:
       b_gate = tl.load(gate_ptr + offsets, mask=w_mask, other=0.0)
-      if IEEE:
-        acc_gate = tl.dot(a, b_gate, acc_gate, input_precision="ieee")
-      else:
-        acc_gate = tl.dot(a, b_gate, acc_gate)
+      acc_gate = dot_accumulate(a, b_gate, acc_gate, IEEE)
     if not GIVEN_UP:
       b_up = tl.load(up_ptr + offsets, mask=w_mask, other=0.0)
-      if IEEE:
-        acc_up = tl.dot(a, b_up, acc_up, input_precision="ieee")
-      else:
-        acc_up = tl.dot(a, b_up, acc_up)
+      acc_up = dot_accumulate(a, b_up, acc_up, IEEE)
   out = rows[:, None].to(tl.int64) * SIZE_N + cols[None, :]
   given_mask = read[:, None] & cols_ok[None, :]
   if GIVEN_GATE:

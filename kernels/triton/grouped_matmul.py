@@ -30,6 +30,16 @@ NUM_STAGES = 3
 
 
 @triton.jit
+def dot_accumulate(a, b, acc, IEEE: tl.constexpr):
+  """``acc + a @ b``: float32 operands in full precision with ``IEEE``, else Triton's default."""
+  if IEEE:
+    out = tl.dot(a, b, acc, input_precision="ieee")
+  else:
+    out = tl.dot(a, b, acc)
+  return out
+
+
+@triton.jit
 def gmm_kernel(meta_ptr, lhs_ptr, rhs_ptr, out_ptr, ROWS: tl.constexpr, SIZE_K: tl.constexpr,
                SIZE_N: tl.constexpr, VISITS: tl.constexpr, TRANSPOSE_RHS: tl.constexpr,
                IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -63,10 +73,7 @@ def gmm_kernel(meta_ptr, lhs_ptr, rhs_ptr, out_ptr, ROWS: tl.constexpr, SIZE_K: 
     else:               # rhs[group] is [SIZE_K, SIZE_N]
       offsets = ks[:, None].to(tl.int64) * SIZE_N + cols[None, :]
     b = tl.load(rhs_ptr + base + offsets, mask=k_ok[:, None] & cols_ok[None, :], other=0.0)
-    if IEEE:
-      acc = tl.dot(a, b, acc, input_precision="ieee")
-    else:
-      acc = tl.dot(a, b, acc)
+    acc = dot_accumulate(a, b, acc, IEEE)
   tl.store(out_ptr + rows[:, None].to(tl.int64) * SIZE_N + cols[None, :],
            acc.to(out_ptr.dtype.element_ty), mask=write[:, None] & cols_ok[None, :])
 
@@ -92,10 +99,7 @@ def tgmm_kernel(bounds_ptr, lhs_ptr, g_ptr, out_ptr, GROUPS: tl.constexpr, SIZE_
                 mask=k_ok[:, None] & read[None, :], other=0.0)          # [BLOCK_K, BLOCK_M]
     b = tl.load(g_ptr + rows[:, None].to(tl.int64) * SIZE_N + cols[None, :],
                 mask=read[:, None] & cols_ok[None, :], other=0.0)       # [BLOCK_M, BLOCK_N]
-    if IEEE:
-      acc = tl.dot(a, b, acc, input_precision="ieee")
-    else:
-      acc = tl.dot(a, b, acc)
+    acc = dot_accumulate(a, b, acc, IEEE)
   offsets = e.to(tl.int64) * SIZE_K * SIZE_N + ks[:, None].to(tl.int64) * SIZE_N + cols[None, :]
   tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty),
            mask=k_ok[:, None] & cols_ok[None, :])
