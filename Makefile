@@ -30,7 +30,7 @@ bench: $(STAMP) $(VENV)/.compare
 # Every suite's tables rewritten from its recorded run in benchmarks/results/ (nothing is run).
 TABLES := --readme benchmarks/README.md --headline README.md
 bench-tables: $(STAMP)
-	$(PY) -m benchmarks seed --from-json benchmarks/results/seed-cpu-quick.json $(TABLES)
+	$(PY) -m benchmarks seed --from-json benchmarks/results/seed-cpu.json $(TABLES)
 	$(PY) -m benchmarks norm --from-json benchmarks/results/norm-cpu-quick.json $(TABLES)
 	$(PY) -m benchmarks attention --from-json benchmarks/results/attention-cpu-quick.json $(TABLES)
 	$(PY) -m benchmarks xent --from-json benchmarks/results/xent-cpu-quick.json $(TABLES)
