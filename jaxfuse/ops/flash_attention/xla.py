@@ -54,8 +54,10 @@ XLA_LONG_BLOCK = 512
 # 5.9 / 4.2 ms; T=512 14.0 / 16.4 / 13.4; T=1024 34.7 / 41.2 / 37.0; T=2048 135 / 133 / 121;
 # T=4096 504 / 484 / 446. At T=1024 vmapping more units was slower (units vmapped in the
 # forward / backward: 2 / 2 42.7 ms, 2 / 1 35.0 ms, 8 / 1 51.4 ms). At T=1024 the strips' time
-# is bimodal between processes: about 35 ms in some and 52 in others (forward and backward
-# alike, both cores busy in both), while T=1000 and the tile path at T=1024 (42 ms) are not.
+# is bimodal between processes: about 34 ms in most and 52 in some (5 of 18, torch not loaded),
+# with the same inputs padded to 1040 positions slow in the same processes. XLA:CPU's concurrent
+# thunk execution settles into one of two patterns: with
+# --xla_cpu_enable_concurrency_optimized_scheduler=false every process takes about 45 ms.
 XLA_STRIP_ROWS = 128            # rows of a strip (positions x query heads of a kv head)
 XLA_STRIP_LONG_ROWS = 256       # ... above XLA_STRIP_LONG_FROM positions
 XLA_STRIP_LONG_FROM = 1024
