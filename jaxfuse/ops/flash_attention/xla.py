@@ -67,9 +67,9 @@ XLA_STRIP_MAX_SCORES = 1 << 21  # score elements of one strip, above which the t
 XLA_STRIP_BATCH_SCORES = 1 << 18  # score elements of the units computed together: forward
 XLA_STRIP_BACKWARD_BATCH_SCORES = 1 << 22  # ... backward
 # ... except for lengths in (lo, hi]: there the backward takes one unit at a time. Measured as
-# above, fwd+bwd over torch SDPA in one process, backward budget 2**16 / 2**22: T=256 1.28 /
-# 1.03x; T=512 1.04 / 0.85x; T=1024 0.92 / 0.99x; T=2048 1.12 / 1.01x (medians of 15 rounds;
-# two more processes at each length agreed within 0.12x).
+# above, fwd+bwd over torch SDPA, backward budget 2**16 / all units, two processes each (medians
+# of 15 rounds): T=256 1.28 / 1.15x and 1.31 / 1.03x; T=512 1.05 / 0.86x and 1.04 / 0.89x;
+# T=1024 0.90 / 0.97x and 0.92 / 1.01x; T=2048 1.12 / 1.01x and 1.11 / 1.05x.
 XLA_STRIP_BACKWARD_ONE_UNIT = (512, 1024)
 
 
