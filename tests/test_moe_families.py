@@ -303,7 +303,10 @@ def test_the_train_cli_keeps_the_expert_products_it_is_asked_to(checkpoint):
   assert built.cfg.expert_keep == ("gate", "up")
   for bad, message in ((dict(expert_keep="gate"), "--expert-keep needs --init-from"),
                        (dict(init_from=str(directory), expert_keep="gate,hidden"),
-                        "--expert-keep takes gate, up or gate,up, got 'gate,hidden'")):
+                        (r"--expert-keep takes distinct names among \('gate', 'up'\), "
+                         r"got \('gate', 'hidden'\)")),
+                       (dict(init_from=str(directory), expert_keep=" , "),
+                        "--expert-keep takes gate, up or gate,up, got ' , '")):
     with pytest.raises(ValueError, match=message):
       config.check_config(config.TrainConfig(**bad))
 

@@ -18,6 +18,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from jaxfuse.ops import names
+
 NORM_PLACEMENTS = ("pre", "sandwich", "post")
 QK_NORMS = (None, "head", "projection")
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -158,10 +160,8 @@ class DecoderConfig:
       object.__setattr__(self, "layer_types", tuple(self.layer_types))
     if self.num_experts and self.expert_mlp_dim is None:
       object.__setattr__(self, "expert_mlp_dim", self.mlp_dim)
-    keep = (self.expert_keep,) if isinstance(self.expert_keep, str) else tuple(self.expert_keep)
-    if len(set(keep)) == len(keep) and set(keep) <= {"gate", "up"}:   # in one order (else refused)
-      keep = tuple(name for name in ("gate", "up") if name in keep)
-    object.__setattr__(self, "expert_keep", keep)
+    object.__setattr__(self, "expert_keep",
+                       names.moe_products(self.expert_keep, "DecoderConfig: expert_keep"))
     self._check()
 
   def _check(self):
@@ -223,9 +223,6 @@ class DecoderConfig:
         fail(f"{name} must be >= 0, got {getattr(self, name)!r}")
     if self.capacity_factor is not None and not self.capacity_factor > 0:
       fail(f"capacity_factor must be None or > 0, got {self.capacity_factor!r}")
-    if len(set(self.expert_keep)) != len(self.expert_keep) or not set(self.expert_keep) <= {
-        "gate", "up"}:
-      fail(f"expert_keep takes distinct names among ('gate', 'up'), got {self.expert_keep!r}")
     self.rope()   # checks the rotary parameters
 
   @property

@@ -96,11 +96,7 @@ _NAMES = names.MOE_PRODUCTS
 
 def _keep(op, keep) -> tuple[str, ...]:
   """``keep`` as a tuple in the order of :data:`_NAMES`, checked."""
-  given = (keep,) if isinstance(keep, str) else tuple(keep)
-  unknown = [k for k in given if k not in _NAMES]
-  if unknown or len(set(given)) != len(given):
-    raise ValueError(f"{op}: keep takes distinct names among {tuple(_NAMES)}, got {keep!r}")
-  return tuple(name for name in _NAMES if name in given)
+  return names.moe_products(keep, f"{op}: keep")
 
 
 # The op -----------------------------------------------------------------------------------------

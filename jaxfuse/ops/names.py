@@ -80,3 +80,17 @@ MOE_DOWN = "moe.down"
 ALL = (BLOCK_INPUT, NORM_INPUT, NORM_MEAN, NORM_RSTD, NORM_OUT, ATTN_Q, ATTN_K, ATTN_V,
        ATTN_OUT, ATTN_LSE, ATTN_PROJ, MLP_GATE, MLP_UP, MLP_PRE, MLP_HIDDEN, MLP_DOWN, LORA_XA,
        MOE_ROUTER, MOE_ROUTING, MOE_ROUTED, MOE_GATE, MOE_UP, MOE_HIDDEN, MOE_DOWN)
+
+
+def moe_products(keep, what: str = "keep") -> tuple[str, ...]:
+  """``keep`` (a name of :data:`MOE_PRODUCTS` or several) as a tuple in that table's order;
+  a ``ValueError`` naming ``what`` for anything else.
+
+  Example:
+    >>> moe_products(("up", "gate"))
+    ('gate', 'up')
+  """
+  given = (keep,) if isinstance(keep, str) else tuple(keep)
+  if len(set(given)) != len(given) or not set(given) <= set(MOE_PRODUCTS):
+    raise ValueError(f"{what} takes distinct names among {tuple(MOE_PRODUCTS)}, got {keep!r}")
+  return tuple(name for name in MOE_PRODUCTS if name in given)

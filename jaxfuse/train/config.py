@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from jaxfuse import parallel, remat
 from jaxfuse.models import DecoderConfig
+from jaxfuse.ops.names import moe_products
 
 
 @dataclasses.dataclass
@@ -272,10 +273,10 @@ def expert_keep(cfg: TrainConfig) -> tuple[str, ...]:
     return ()
   if not cfg.init_from:
     raise ValueError("--expert-keep needs --init-from a Mixture-of-Experts checkpoint")
-  names = tuple(t.strip() for t in cfg.expert_keep.split(",") if t.strip())
-  if not names or len(set(names)) != len(names) or not set(names) <= {"gate", "up"}:
+  given = tuple(t.strip() for t in cfg.expert_keep.split(",") if t.strip())
+  if not given:
     raise ValueError(f"--expert-keep takes gate, up or gate,up, got {cfg.expert_keep!r}")
-  return names
+  return moe_products(given, "--expert-keep")
 
 
 def lora_alpha(cfg: TrainConfig) -> float:

@@ -36,8 +36,7 @@ def build(cfg: TrainConfig, tokenizer: Any = None) -> tuple[Decoder, nnx.Optimiz
 
     keep = config.expert_keep(cfg)
     model = interop.from_pretrained(cfg.init_from, dtype=jnp.dtype(cfg.dtype), fused=fused,
-                                    remat=policy, scan_layers=cfg.scan_layers,
-                                    **({"expert_keep": keep} if keep else {}))
+                                    remat=policy, scan_layers=cfg.scan_layers, expert_keep=keep)
     if keep and not model.cfg.num_experts:
       raise ValueError(f"--expert-keep: the model at --init-from {cfg.init_from} has no "
                        f"experts")
