@@ -2,6 +2,8 @@
 dbias) across lengths, heads, masks and dtypes, memory, and bad input. The Pallas kernels run in
 interpret mode at small shapes here; their lowering for GPUs is in test_attention_pallas.py."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -73,6 +75,26 @@ def test_xla_strips_vmap_units_in_batches_with_a_remainder(monkeypatch):
   monkeypatch.setattr(xla, "XLA_STRIP_BACKWARD_BATCH_SCORES", 3 * per_unit)
   got = jax_step(q, k, v, g, "xla", causal=True)
   assert_matches_torch(got, torch_step(q, k, v, g, causal=True), "5 units")
+
+
+def test_xla_strips_backward_one_unit_at_a_time_in_its_length_window(monkeypatch):
+  """The lengths of ``XLA_STRIP_BACKWARD_ONE_UNIT`` run the backward one unit at a time (a
+  loop without vmap); outside it every unit goes in one batch. Both match torch."""
+  from jaxfuse.ops.flash_attention import xla
+
+  q, k, v, g = inputs(3, 40, 40, 2, 1, 16, seed=14)
+  want = torch_step(q, k, v, g, causal=True)
+
+  # Loop lengths of the forward (one batch of the 3 units) and the backward.
+  for window, loops in (((30, 50), ["1", "3"]), ((50, 60), ["1", "1"])):
+    monkeypatch.setattr(xla, "XLA_STRIP_BACKWARD_ONE_UNIT", window)
+
+    def grads(q, k, v):   # a new function each time: traces are cached by function
+      f = lambda q, k, v: attention(q, k, v, causal=True, implementation="xla")  # noqa: E731
+      return jax.vjp(f, q, k, v)[1](g)
+
+    assert re.findall(r"length=(\d+)", str(jax.make_jaxpr(grads)(q, k, v))) == loops, window
+    assert_matches_torch(jax_step(q, k, v, g, "xla", causal=True), want, f"window {window}")
 
 
 @pytest.mark.parametrize("impl, d", [("xla", 256), ("pallas", 256)])
