@@ -90,7 +90,7 @@ def test_xla_strips_backward_one_unit_at_a_time_in_its_length_window(monkeypatch
     monkeypatch.setattr(xla, "XLA_STRIP_BACKWARD_ONE_UNIT", window)
 
     def grads(q, k, v):   # a new function each time: traces are cached by function
-      f = lambda q, k, v: attention(q, k, v, causal=True, implementation="xla")  # noqa: E731
+      f = lambda q, k, v: attention(q, k, v, causal=True, implementation="xla")
       return jax.vjp(f, q, k, v)[1](g)
 
     assert re.findall(r"length=(\d+)", str(jax.make_jaxpr(grads)(q, k, v))) == loops, window
