@@ -274,6 +274,14 @@ def step_bytes_moved(f: Callable, args: Sequence, cts=None, **step_options) -> i
   return metrics.bytes_moved(lambda *a: step(a, cts), *args)
 
 
+def step_cpu_kernel_bytes(f: Callable, args: Sequence, cts=None, **step_options) -> int | None:
+  """Bytes the CPU kernels of one ``jax_step(f)`` read + write, traced here; None if it calls
+  none. XLA's cost analysis does not see into them."""
+  step = jax_step(f, **step_options)
+  found = metrics.cpu_kernel_traffic(lambda *a: step(a, cts), *args)
+  return sum(k.bytes for k in found) if found else None
+
+
 def compiled_figures(step: Callable, args: Sequence, cts=None) -> tuple[int | None, int]:
   """``(xla_bytes_accessed, temp_bytes)`` of one compiled ``jax_step``: XLA's cost analysis
   and its compiled temp memory."""

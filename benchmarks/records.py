@@ -18,6 +18,8 @@ from pathlib import Path
 XLA_BYTES_SOURCE = "XLA compiled cost analysis (jaxfuse.metrics.xla_cost)"
 TEMP_BYTES_SOURCE = "XLA compiled memory analysis, temp bytes (jaxfuse.metrics.compiled_memory)"
 KERNEL_BYTES_SOURCE = "kernel loads/stores counted over the grid (jaxfuse.metrics.bytes_moved)"
+CPU_KERNEL_BYTES_SOURCE = ("CPU kernels: operands read and results written once per call "
+                           "(jaxfuse.metrics.cpu_kernel_traffic)")
 JAX_RESIDUAL_SOURCE = "jax.vjp residuals (jaxfuse.metrics.residual_bytes)"
 TORCH_RESIDUAL_SOURCE = "autograd saved tensors (jaxfuse.metrics.torch_residual_bytes)"
 HAND_FORMULA_SOURCE = "modelled: hand formula"

@@ -19,6 +19,10 @@ FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive
 # Implementations every op is tested with on this machine: XLA, and Pallas (interpret mode on
 # CPU). Triton kernels are tested through their own interpreter tests on CPU.
 CPU_IMPLEMENTATIONS = ("xla", "pallas")
+# The C++ CPU kernels, where this machine can build them; the op tables test them for the ops
+# that have them (TABLE_IMPLEMENTATIONS is filtered by each case's op).
+CPU_KERNELS = ("cpu",) if dispatch.runs_natively("cpu") else ()
+TABLE_IMPLEMENTATIONS = CPU_IMPLEMENTATIONS + CPU_KERNELS
 
 TORCH_DTYPES = {
     jnp.dtype("float32"): torch.float32,

@@ -263,7 +263,7 @@ def test_jaxfuse_rows_come_from_the_registry():
     kernels = harness.jaxfuse_rows(name, which, kernels_only=True)
     assert [harness.kernel_kind(row).name for row in kernels] == list(op.kinds)
   running = harness.jaxfuse_rows("softmax", which, keep=harness.runs)
-  assert set(running) == {f"jaxfuse-{impl}" for impl in dispatch.KINDS
+  assert set(running) == {f"jaxfuse-{impl}" for impl in base.REGISTRY["softmax"].implementations
                           if dispatch.runs_natively(impl) or dispatch.KINDS[impl].interpretable}
   for row in ("jaxfuse-unfused", "jaxfuse-xla[grad_in_forward]", "torch-eager", "jax-unfused"):
     assert harness.kind(row) is None and harness.kernel_kind(row) is None

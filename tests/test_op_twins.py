@@ -26,7 +26,7 @@ TRITON = {c.op: c for c in reversed(cases.CASES) if c.runs_on("triton")}
 
 
 def _implementations(case: cases.Case) -> list[str]:
-  return [i for i in helpers.CPU_IMPLEMENTATIONS if case.runs_on(i)]
+  return [i for i in helpers.TABLE_IMPLEMENTATIONS if case.runs_on(i)]
 
 
 def _params(dtypes=("float32",), *, narrow=False):

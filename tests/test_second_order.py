@@ -29,7 +29,7 @@ from tests import cases, helpers
 # is their XLA twin's (jaxfuse.ops.base.kernel_call), which the options do not change.
 FIRST = {c.op: c for c in reversed(cases.CASES) if c.second_order}
 PARAMS = [pytest.param(c, impl, id=f"{c.id}-{impl}") for c in cases.CASES if c.second_order
-          for impl in helpers.CPU_IMPLEMENTATIONS
+          for impl in helpers.TABLE_IMPLEMENTATIONS
           if c.runs_on(impl) and (impl == "xla" or FIRST[c.op] is c)]
 
 

@@ -114,10 +114,9 @@ def _first(out):
 
 
 def implementations(op_name: str) -> tuple[str, ...]:
-  """The kernel implementations (``pallas``, ``triton``) an op of ``jaxfuse.ops`` has: those
-  of its registry entry that have a kernel module."""
-  op = op_base.REGISTRY[op_name]
-  return tuple(impl for impl in op.implementations if op.module_name(impl) is not None)
+  """The GPU kernel implementations (``pallas``, ``triton``) an op of ``jaxfuse.ops`` has:
+  the kernel kinds of its registry entry that compile for GPUs."""
+  return kr.gpu_kinds(op_base.REGISTRY[op_name])
 
 
 def _build(loss: Callable, n_diff: int, args: tuple) -> tuple[Callable, tuple]:

@@ -10,7 +10,8 @@ from jaxfuse.metrics.residuals import (Residual, offloaded_bytes, per_device_res
                                        residual_bytes, residuals)
 from jaxfuse.metrics.timing import Timing, interleaved, time_fn
 from jaxfuse.metrics.torch_residuals import torch_residual_bytes, torch_saved_tensors
-from jaxfuse.metrics.traffic import KernelTraffic, OperandTraffic, kernel_traffic
+from jaxfuse.metrics.traffic import (KernelTraffic, OperandTraffic, cpu_kernel_traffic,
+                                     kernel_traffic)
 
 __all__ = [
     "Collective",
@@ -24,6 +25,7 @@ __all__ = [
     "collective_counts",
     "collectives",
     "compiled_memory",
+    "cpu_kernel_traffic",
     "flops",
     "interleaved",
     "kernel_costs",

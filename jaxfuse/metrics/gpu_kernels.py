@@ -235,8 +235,13 @@ def triton_kernels(f: Callable, *args, **kwargs) -> list[KernelSource]:
   return count_launches(calls)
 
 
-# Each kind of kernel implementation (a kind of ``dispatch.KINDS`` with a kernel package), and how
-# the kernels of a call with it are found.
+def gpu_kinds(op) -> tuple[str, ...]:
+  """The kernel kinds of ``op`` (a :class:`jaxfuse.ops.base.Op`) that compile for GPUs."""
+  return tuple(k for k in op.kinds if "gpu" in dispatch.KINDS[k].platforms)
+
+
+# Each kind of GPU kernel implementation (a kind of ``dispatch.KINDS`` with a kernel package
+# that compiles for GPUs), and how the kernels of a call with it are found.
 FINDERS: dict[str, Callable[..., list[KernelSource]]] = {
     "pallas": pallas_kernels,
     "triton": triton_kernels,

@@ -43,8 +43,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from jaxfuse.metrics.gpu_kernels import (FINDERS, KernelSource, kernels_in_hlo, kernels_of,
-                                         lower_for_cuda, pallas_kernels, recording_triton_calls,
+from jaxfuse.metrics.gpu_kernels import (FINDERS, KernelSource, gpu_kinds, kernels_in_hlo,
+                                         kernels_of, lower_for_cuda, pallas_kernels, recording_triton_calls,
                                          triton_kernels)
 from jaxfuse.metrics.gpu_occupancy import (ARCHS, DEFAULT_ARCH, Arch, KernelResources, arch,
                                            occupancy, resources_of)
@@ -63,6 +63,7 @@ __all__ = [
     "compile_each",
     "compile_kernel",
     "compile_kernels",
+    "gpu_kinds",
     "kernel_resources",
     "kernels_in_hlo",
     "kernels_of",

@@ -144,8 +144,8 @@ def pallas_call_traffic(eqn) -> KernelTraffic:
                        exact=tally.exact, programs=evaluator.programs)
 
 
-def pallas_calls(jaxpr) -> list[tuple[object, int]]:
-  """``(eqn, launches)`` for every ``pallas_call`` in ``jaxpr``, in trace order.
+def _calls(jaxpr, match) -> list[tuple[object, int]]:
+  """``(eqn, launches)`` for every equation of ``jaxpr`` that ``match`` accepts, in trace order.
 
   A call inside a ``scan`` launches once per step; both branches of a ``cond`` are listed.
   """
@@ -153,7 +153,7 @@ def pallas_calls(jaxpr) -> list[tuple[object, int]]:
 
   def walk(jaxpr, launches):
     for eqn in jaxpr.eqns:
-      if eqn.primitive.name == "pallas_call":
+      if match(eqn):
         found.append((eqn, launches))
         continue
       steps = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
@@ -162,6 +162,37 @@ def pallas_calls(jaxpr) -> list[tuple[object, int]]:
 
   walk(open_jaxpr(jaxpr)[0], 1)
   return found
+
+
+def pallas_calls(jaxpr) -> list[tuple[object, int]]:
+  """``(eqn, launches)`` for every ``pallas_call`` in ``jaxpr``, in trace order.
+
+  A call inside a ``scan`` launches once per step; both branches of a ``cond`` are listed.
+  """
+  return _calls(jaxpr, lambda eqn: eqn.primitive.name == "pallas_call")
+
+
+CPU_KERNEL_PREFIX = "jaxfuse_"   # the FFI targets of jaxfuse.kernels.cpu
+
+
+def cpu_kernel_traffic(f, *args, **kwargs) -> list[KernelTraffic]:
+  """The traffic of every CPU kernel (:mod:`jaxfuse.kernels.cpu`) that ``f(*args, **kwargs)``
+  traces on this machine, once per call: each reads its operands and writes its results once
+  (the kernels' one-pass loops), so the figure is exact. Nothing runs."""
+  closed = jax.make_jaxpr(lambda *a: f(*a, **kwargs))(*args)
+  out = []
+  for eqn, launches in _calls(closed.jaxpr, lambda e: e.primitive.name == "ffi_call" and str(
+      e.params.get("target_name", "")).startswith(CPU_KERNEL_PREFIX)):
+    operands = tuple(
+        OperandTraffic(role, i, tuple(v.aval.shape), str(v.aval.dtype),
+                       v.aval.size * v.aval.dtype.itemsize if role == "input" else 0,
+                       v.aval.size * v.aval.dtype.itemsize if role == "output" else 0)
+        for role, group in (("input", eqn.invars), ("output", eqn.outvars))
+        for i, v in enumerate(group))
+    traffic = KernelTraffic(eqn.params["target_name"], sum(o.reads for o in operands),
+                            sum(o.writes for o in operands), operands, exact=True, programs=1)
+    out.extend([traffic] * launches)
+  return out
 
 
 def kernel_traffic(f, *args, **kwargs) -> list[KernelTraffic]:

@@ -75,10 +75,11 @@ class Op:
       which define the same functions with the same signatures), or None for an op that XLA
       alone implements. Every op has ``"xla"``: its own jnp formulas.
     gpu_order: the order ``None`` tries on GPUs (one of the ``*_GPU_ORDER`` rules above).
-      On CPUs (and TPUs) ``None`` is always ``"xla"``: Pallas runs there only in interpret
-      mode, which is for tests.
-    kinds: the kernel kinds it has (default: every kind with a package in
-      :data:`dispatch.KINDS`, when ``kernels`` is given).
+      On CPUs ``None`` tries the CPU kernels first where the op has them (they exist only
+      where XLA:CPU cannot make the fusion), then ``"xla"``; on TPUs it is ``"xla"``. Pallas
+      runs on CPUs only in interpret mode, which is for tests.
+    kinds: the kernel kinds it has (default: every kind of :data:`dispatch.KINDS` whose
+      package holds a module named ``kernels``).
     register: whether it enters :data:`REGISTRY` (False for examples and tests).
 
   A kernel module may define ``refuses(**facts) -> str | None``: given what a call passes to
@@ -94,7 +95,8 @@ class Op:
 
   def __post_init__(self):
     if self.kinds is None:
-      kinds = tuple(k.name for k in dispatch.KINDS.values() if k.package) if self.kernels else ()
+      kinds = tuple(k.name for k in dispatch.KINDS.values()
+                    if self.kernels and k.has_module(self.kernels))
       object.__setattr__(self, "kinds", kinds)
     unknown = set(self.kinds) - {k.name for k in dispatch.KINDS.values() if k.package}
     if unknown or (self.kinds and not self.kernels):
@@ -128,7 +130,8 @@ class Op:
       if "triton" in order:   # the Triton kernels take Pallas' place
         order.remove("triton")
         order.insert(list(self.gpu_order).index("pallas"), "triton")
-    return {"gpu": tuple(order), "cpu": ("xla",), "tpu": ("xla",)}
+    on_cpu = tuple(k for k in self.kinds if "cpu" in dispatch.KINDS[k].platforms)
+    return {"gpu": tuple(order), "cpu": on_cpu + ("xla",), "tpu": ("xla",)}
 
   def refuses(self, implementation: str, facts: Mapping | None) -> str | None:
     """Why ``implementation``'s kernels cannot take a call with ``facts`` (None: they can)."""

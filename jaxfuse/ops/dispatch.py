@@ -125,18 +125,25 @@ def _jax_triton() -> bool:
   return jax_triton_importable()
 
 
+def _cpu_kernels() -> bool:
+  from jaxfuse.kernels import cpu   # light, but imported only where asked
+
+  return cpu.available()
+
+
 @dataclasses.dataclass(frozen=True)
 class Kind:
   """A kind of implementation: where it compiles and where its kernels live.
 
   Attributes:
-    name: ``"xla"``, ``"pallas"`` or ``"triton"``: the value of ``implementation=``.
+    name: ``"xla"``, ``"pallas"``, ``"triton"`` or ``"cpu"``: the value of ``implementation=``.
     platforms: the platforms it compiles for natively.
     requires: what else it needs, as a check (``jax_triton`` importable for Triton).
     package: the package of its kernel modules (None: the op's own jnp formulas).
     interpretable: whether it runs on CPU in interpret mode (:func:`pallas_interpret`),
       passing ``interpret=`` to its kernels.
     missing: what to do when ``requires`` fails, for the error message.
+    label: its name in messages.
   """
 
   name: str
@@ -145,6 +152,15 @@ class Kind:
   package: str | None = None
   interpretable: bool = False
   missing: str = ""
+  label: str = ""
+
+  def has_module(self, module: str) -> bool:
+    """Whether its kernel package holds ``module`` (looked up without importing it)."""
+    if self.package is None:
+      return False
+    root = importlib.util.find_spec("jaxfuse.kernels").submodule_search_locations[0]
+    relative = self.package.removeprefix("jaxfuse.kernels").strip(".").replace(".", os.sep)
+    return os.path.isfile(os.path.join(root, relative, f"{module}.py"))
 
   def runs_natively(self) -> bool:
     return platform() in self.platforms and self.requires()
@@ -154,7 +170,7 @@ class Kind:
       how = ("; on CPU enable interpret mode with `with jaxfuse.pallas_interpret():` or "
              "JAXFUSE_PALLAS_INTERPRET=1 (slow, for tests)") if self.interpretable else ""
       where = " or ".join(p.upper() for p in self.platforms)
-      return f"{self.name.capitalize()} kernels need a {where}{how}"
+      return f"{self.label or self.name.capitalize()} kernels need a {where}{how}"
     return self.missing
 
 
@@ -162,6 +178,9 @@ KINDS: dict[str, Kind] = {kind.name: kind for kind in (
     Kind("pallas", ("gpu",), package="jaxfuse.kernels.pallas", interpretable=True),
     Kind("triton", ("gpu",), _jax_triton, package="jaxfuse.kernels.triton",
          missing="Triton kernels need jax-triton (pip install 'jaxfuse[gpu]')"),
+    Kind("cpu", ("cpu",), _cpu_kernels, package="jaxfuse.kernels.cpu", label="CPU",
+         missing="CPU kernels need a C++ compiler (set CXX or install g++) and are off where "
+                 "JAXFUSE_CPU_KERNELS=0"),
     Kind("xla", ("cpu", "gpu", "tpu")),
 )}
 IMPLEMENTATIONS = tuple(KINDS)

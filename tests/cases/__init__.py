@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tests import helpers
+
 Shapes = tuple  # one shape (a tuple of ints) per argument
 
 
@@ -38,7 +40,7 @@ class Mesh:
   specs: tuple
   activations: tuple[int, ...] = (0,)
   local: bool = True
-  implementations: tuple[str, ...] = ("xla", "pallas")
+  implementations: tuple[str, ...] = helpers.TABLE_IMPLEMENTATIONS
   tolerance: float = 1e-5
 
 

@@ -1,0 +1,164 @@
+"""The C++ CPU kernels (jaxfuse.kernels.cpu): how they are built and chosen, and glu's against
+XLA's formulas where the op tables do not reach (every activation and dtype, the activations'
+tails, NaN, vmap). The op tables test them against torch (test_op_twins.py, sharding/)."""
+
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxfuse
+from jaxfuse.kernels import cpu
+from jaxfuse.kernels import activations as kernel_activations
+from jaxfuse.ops import base, dispatch, glu
+from tests import helpers
+
+needs_cpu_kernels = pytest.mark.skipif(not helpers.CPU_KERNELS,
+                                       reason="no C++ compiler here, or not on a CPU")
+
+# Values at the activations' tails and their exp's clamps, with normal draws around them.
+TAILS = np.array([-100.0, -88.5, -87.0, -30.0, -5.0, -1e-3, 0.0, 1e-3, 0.6, 5.0, 30.0, 88.0,
+                  88.5, 100.0], np.float32)
+
+
+def _ffi_targets(f, *args) -> list[str]:
+  text = jax.jit(f).lower(*args).as_text()
+  return sorted(re.findall(r"custom_call @(jaxfuse_\w+)", text))
+
+
+def _grads(act, impl, dtype):
+  def run(a, b, g):
+    y, vjp = jax.vjp(lambda a, b: glu(a, b, act, implementation=impl), a, b)
+    return (y, *vjp(g))
+  return jax.jit(run)
+
+
+def _inputs(dtype, seed=0):
+  a, b, g = helpers.random_pair((48, 700), jnp.float32, seed=seed)   # two chunks: both threads
+  a = a.at[0, :TAILS.size].set(TAILS)
+  return a.astype(dtype), b.astype(dtype), g.astype(dtype)
+
+
+@needs_cpu_kernels
+def test_none_takes_the_cpu_kernels_one_call_each_way():
+  """On a CPU, ``implementation=None`` runs glu's CPU kernels: the forward and the backward
+  are one FFI call each (XLA:CPU's formulas take two loops for the backward's two gradients)."""
+  a, b, g = _inputs(jnp.float32)
+  loss = lambda a, b: jnp.sum(glu(a, b, "silu") * g)
+  names = _ffi_targets(jax.value_and_grad(loss, argnums=(0, 1)), a, b)
+  assert names == ["jaxfuse_glu_backward", "jaxfuse_glu_forward"]
+  xla = lambda a, b: jnp.sum(glu(a, b, "silu", implementation="xla") * g)
+  assert _ffi_targets(jax.value_and_grad(xla, argnums=(0, 1)), a, b) == []
+  assert base.REGISTRY["glu"].preference["cpu"] == ("cpu", "xla")
+  assert base.REGISTRY["rms_norm"].preference["cpu"] == ("xla",)
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("act", kernel_activations.ACTIVATIONS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_every_activation_and_dtype_against_xla(act, dtype):
+  """Output and both gradients against XLA's formulas, tails included: float32 to the float32
+  rule, bfloat16 and float16 to one rounding of the same float32 value (both compute in
+  float32 and round once)."""
+  dtype = jnp.dtype(dtype)
+  args = _inputs(dtype, seed=len(act))
+  got = _grads(act, "cpu", dtype)(*args)
+  want = _grads(act, "xla", dtype)(*args)
+  for name, x, y in zip(("y", "da", "db"), got, want):
+    assert x.dtype == dtype, name
+    x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
+    if dtype == jnp.float32:
+      helpers.assert_close(x, y, what=f"{act} {name}")
+    else:   # one rounding apart (a step of the format) beyond the float32 rule's tolerance
+      eps = float(jnp.finfo(dtype).eps)
+      atol = helpers.FP32_ATOL * max(1.0, float(np.max(np.abs(y))))
+      bad = np.abs(x - y) > eps * np.abs(y) + atol
+      assert not bad.any(), f"{act} {name}: {x[bad][:4]} against {y[bad][:4]}"
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("act", ["silu", "gelu", "gelu_tanh", "relu", "tanh"])
+def test_nan_stays_nan(act):
+  a = jnp.array([[jnp.nan, 1.0]], jnp.float32)
+  b = g = jnp.ones_like(a)
+  y, da, db = _grads(act, "cpu", jnp.float32)(a, b, g)
+  assert np.isnan(y[0, 0]) and np.isnan(db[0, 0]), act
+  np.testing.assert_array_equal(np.isnan(np.asarray(da)),
+                                np.isnan(np.asarray(_grads(act, "xla", jnp.float32)(a, b, g)[1])))
+
+
+@needs_cpu_kernels
+def test_packed_and_vmapped():
+  """The packed form over many rows (the row-parallel loop), and vmap with an unbatched value
+  (``broadcast_all``), against XLA."""
+  a, b, g = _inputs(jnp.float32, seed=5)
+  x = jnp.concatenate([a, b], axis=-1)
+  packed = lambda impl: jax.jit(jax.grad(
+      lambda x: jnp.sum(glu(x, "gelu", implementation=impl) * g)))
+  helpers.assert_close(packed("cpu")(x), packed("xla")(x))
+  stack = jnp.stack([a, 2 * a, -a])
+  f = lambda impl: jax.jit(jax.vmap(
+      jax.grad(lambda a, b: jnp.sum(glu(a, b, implementation=impl) * g), argnums=(0, 1)),
+      in_axes=(0, None)))
+  for got, want in zip(f("cpu")(stack, b), f("xla")(stack, b)):
+    helpers.assert_close(got, want)
+
+
+@needs_cpu_kernels
+def test_a_function_activation_goes_to_xla():
+  """The kernels take the named activations; ``None`` runs a function on XLA, and asking for
+  the kernels with one says what they take."""
+  fn = lambda a: jnp.sin(a) * a
+  a, b, _ = _inputs(jnp.float32)
+  assert _ffi_targets(lambda a, b: glu(a, b, fn), a, b) == []
+  helpers.assert_close(glu(a, b, fn), fn(a) * b)
+  with pytest.raises(ValueError, match=r"glu: implementation='cpu' supports the named "
+                                       r"activations .*; use .*'xla'"):
+    glu(a, b, fn, implementation="cpu")
+
+
+def test_turned_off_by_the_environment(monkeypatch):
+  """``JAXFUSE_CPU_KERNELS=0``: ``None`` runs XLA, and asking for the kernels says why not."""
+  monkeypatch.setenv("JAXFUSE_CPU_KERNELS", "0")
+  assert not cpu.available()
+  if helpers.ON_GPU:
+    return
+  assert base.REGISTRY["glu"].resolve(None) == "xla"
+  with pytest.raises(jaxfuse.ImplementationUnavailableError,
+                     match=r"glu: implementation='cpu' cannot run on platform 'cpu': CPU "
+                           r"kernels need a C\+\+ compiler .*JAXFUSE_CPU_KERNELS=0"):
+    glu(jnp.ones(3), jnp.ones(3), implementation="cpu")
+
+
+@needs_cpu_kernels
+def test_built_once_into_the_cache(monkeypatch, tmp_path):
+  """A fresh cache gets the library on first use; a second build finds it (same file, not
+  rewritten); a compiler that fails raises with what it said."""
+  monkeypatch.setenv("JAXFUSE_CACHE_DIR", str(tmp_path))
+  first = cpu.build("gated_linear")
+  assert first.parent == tmp_path / "cpu-kernels" and first.is_file()
+  stamp = first.stat().st_mtime_ns
+  assert cpu.build("gated_linear") == first and first.stat().st_mtime_ns == stamp
+  assert [p.name for p in first.parent.iterdir()] == [first.name]   # no temporary left
+  monkeypatch.setenv("CXX", "false")   # exits 1, prints nothing
+  with pytest.raises(cpu.CompileError, match=r"compiling jaxfuse's CPU kernels "
+                                             r"\(gated_linear.cc\) failed"):
+    cpu.build("gated_linear")
+  assert [p.name for p in first.parent.iterdir()] == [first.name]
+
+
+def test_kinds_come_from_the_kernel_packages():
+  """An op has a kernel kind exactly where that kind's package holds its kernel module."""
+  kernels_dir = os.path.dirname(os.path.dirname(cpu.__file__))
+  for op in base.REGISTRY.values():
+    for kind in dispatch.KINDS.values():
+      if kind.package is None:
+        continue
+      folder = kind.package.rpartition(".")[2]
+      here = bool(op.kernels) and os.path.isfile(
+          os.path.join(kernels_dir, folder, f"{op.kernels}.py"))
+      assert (kind.name in op.kinds) == here, (op.name, kind.name)
+  assert [name for name, op in base.REGISTRY.items() if "cpu" in op.kinds] == ["glu"]
