@@ -274,12 +274,25 @@ def step_bytes_moved(f: Callable, args: Sequence, cts=None, **step_options) -> i
   return metrics.bytes_moved(lambda *a: step(a, cts), *args)
 
 
-def step_cpu_kernel_bytes(f: Callable, args: Sequence, cts=None, **step_options) -> int | None:
-  """Bytes the CPU kernels of one ``jax_step(f)`` read + write, traced here; None if it calls
-  none. XLA's cost analysis does not see into them."""
+def runs_cpu_kernels(row: str) -> bool:
+  """Whether a row runs jaxfuse's CPU kernels here (compiled, on this machine)."""
+  row_kind = kernel_kind(row)
+  return (row_kind is not None and "cpu" in row_kind.platforms and not row_kind.interpretable
+          and dispatch.runs_natively(row_kind.name))
+
+
+def record_cpu_kernel_figures(record: rec.Record, f: Callable, args: Sequence, cts=None,
+                              **step_options) -> None:
+  """``bytes_moved`` of a row with CPU kernels: the operands and results of each call (they
+  read and write each once), traced here; and no ``xla_bytes_accessed``, since XLA's cost
+  analysis does not see into them. ``step_options`` go to :func:`jax_step`."""
   step = jax_step(f, **step_options)
   found = metrics.cpu_kernel_traffic(lambda *a: step(a, cts), *args)
-  return sum(k.bytes for k in found) if found else None
+  record.set("bytes_moved", sum(k.bytes for k in found) if found else None,
+             rec.CPU_KERNEL_BYTES_SOURCE)
+  record.set("xla_bytes_accessed", None, rec.XLA_BYTES_SOURCE)
+  record.add_note("XLA's cost analysis does not see into the CPU kernels: bytes moved counts "
+                  "their operands and results")
 
 
 def compiled_figures(step: Callable, args: Sequence, cts=None) -> tuple[int | None, int]:

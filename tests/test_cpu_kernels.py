@@ -1,6 +1,7 @@
-"""The C++ CPU kernels (jaxfuse.kernels.cpu): how they are built and chosen, and glu's against
-XLA's formulas where the op tables do not reach (every activation and dtype, the activations'
-tails, NaN, vmap). The op tables test them against torch (test_op_twins.py, sharding/)."""
+"""The C++ CPU kernels (jaxfuse.kernels.cpu): how they are built and chosen, and against XLA's
+formulas where the op tables do not reach (glu's every activation and dtype, the activations'
+tails, NaN, vmap; the normalizations' parameter and residual combinations, many rows). The op
+tables test them against torch (test_op_twins.py, test_second_order.py, sharding/)."""
 
 import os
 import re
@@ -13,7 +14,7 @@ import pytest
 import jaxfuse
 from jaxfuse.kernels import cpu
 from jaxfuse.kernels import activations as kernel_activations
-from jaxfuse.ops import base, dispatch, glu
+from jaxfuse.ops import add_layer_norm, add_rms_norm, base, dispatch, glu, layer_norm, rms_norm
 from tests import helpers
 
 needs_cpu_kernels = pytest.mark.skipif(not helpers.CPU_KERNELS,
@@ -53,7 +54,7 @@ def test_none_takes_the_cpu_kernels_one_call_each_way():
   xla = lambda a, b: jnp.sum(glu(a, b, "silu", implementation="xla") * g)
   assert _ffi_targets(jax.value_and_grad(xla, argnums=(0, 1)), a, b) == []
   assert base.REGISTRY["glu"].preference["cpu"] == ("cpu", "xla")
-  assert base.REGISTRY["rms_norm"].preference["cpu"] == ("xla",)
+  assert base.REGISTRY["softmax"].preference["cpu"] == ("xla",)
 
 
 @needs_cpu_kernels
@@ -151,9 +152,13 @@ def test_built_once_into_the_cache(monkeypatch, tmp_path):
 
 
 def test_kinds_come_from_the_kernel_packages():
-  """An op has a kernel kind exactly where that kind's package holds its kernel module."""
+  """An op has a kernel kind exactly where that kind's package holds its kernel module, unless
+  its entry names its kinds (the unfused baseline, whose add has no CPU kernel)."""
   kernels_dir = os.path.dirname(os.path.dirname(cpu.__file__))
   for op in base.REGISTRY.values():
+    if op.name == "add_rms_norm_unfused":
+      assert op.kinds == ("pallas", "triton")
+      continue
     for kind in dispatch.KINDS.values():
       if kind.package is None:
         continue
@@ -161,4 +166,60 @@ def test_kinds_come_from_the_kernel_packages():
       here = bool(op.kernels) and os.path.isfile(
           os.path.join(kernels_dir, folder, f"{op.kernels}.py"))
       assert (kind.name in op.kinds) == here, (op.name, kind.name)
-  assert [name for name, op in base.REGISTRY.items() if "cpu" in op.kinds] == ["glu"]
+  assert sorted(name for name, op in base.REGISTRY.items() if "cpu" in op.kinds) == [
+      "add_layer_norm", "add_rms_norm", "glu", "layer_norm", "rms_norm"]
+
+
+# Normalization ------------------------------------------------------------------------------------
+
+NORMS = {
+    "layer_norm": lambda x, r, s, b, impl: layer_norm(x, s, b, implementation=impl),
+    "layer_norm no params": lambda x, r, s, b, impl: layer_norm(x, implementation=impl),
+    "layer_norm scale only": lambda x, r, s, b, impl: layer_norm(x, s, implementation=impl),
+    "rms_norm": lambda x, r, s, b, impl: rms_norm(x, s, implementation=impl),
+    "rms_norm no scale": lambda x, r, s, b, impl: rms_norm(x, implementation=impl),
+    "add_layer_norm": lambda x, r, s, b, impl: add_layer_norm(x, r, s, b, implementation=impl),
+    "add_rms_norm": lambda x, r, s, b, impl: add_rms_norm(x, r, s, implementation=impl),
+}
+
+
+def _norm_step(name, impl):
+  def run(x, r, s, b, g):
+    f = lambda x, r, s, b: NORMS[name](x, r, s, b, impl)
+    out, vjp = jax.vjp(f, x, r, s, b)
+    outs = out if isinstance(out, tuple) else (out,)
+    cts = tuple(g * (i + 1) for i in range(len(outs)))
+    return outs, vjp(cts if isinstance(out, tuple) else cts[0])
+  return jax.jit(run)
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("name", list(NORMS))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_normalizations_against_xla(name, dtype):
+  """Outputs and every gradient against XLA's formulas over 3 x 70 x 300 rows (the row loop
+  split over the threads, the parameter gradients summed over the chunks), float32 parameters
+  with low-precision rows."""
+  dtype = jnp.dtype(dtype)
+  x, r, g = (t.astype(dtype) for t in helpers.random_pair((3, 70, 300), jnp.float32, seed=9))
+  s, b, _ = helpers.random_pair((300,), jnp.float32, seed=10)
+  got = _norm_step(name, "cpu")(x + 0.5, r, s, b, g)
+  want = _norm_step(name, "xla")(x + 0.5, r, s, b, g)
+  for x_got, x_want in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert x_got.dtype == x_want.dtype and x_got.shape == x_want.shape
+    x_got, x_want = np.asarray(x_got, np.float32), np.asarray(x_want, np.float32)
+    if dtype == jnp.float32:
+      helpers.assert_close(x_got, x_want, what=name)
+    else:
+      eps = float(jnp.finfo(dtype).eps)
+      atol = helpers.FP32_ATOL * max(1.0, float(np.max(np.abs(x_want))))
+      assert np.all(np.abs(x_got - x_want) <= eps * np.abs(x_want) + atol), name
+
+
+@needs_cpu_kernels
+def test_normalization_one_call_each_way():
+  x, _, g = helpers.random_pair((64, 256), jnp.float32)
+  s = jnp.ones(256)
+  step = jax.value_and_grad(lambda x, s: jnp.sum(rms_norm(x, s) * g), argnums=(0, 1))
+  assert _ffi_targets(step, x, s) == ["jaxfuse_norm_backward", "jaxfuse_norm_forward"]
+  assert base.REGISTRY["add_rms_norm_unfused"].preference["cpu"] == ("xla",)

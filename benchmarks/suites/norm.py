@@ -4,8 +4,8 @@ Every case times forward + backward: one jit-compiled step returning the outputs
 gradients of every input and parameter, or one torch autograd step, interleaved across
 
 - ``jaxfuse-<implementation>``, one row per implementation the op has (its registry entry,
-  ``jaxfuse.ops.base.REGISTRY``: ``jaxfuse-pallas``, ``jaxfuse-triton``, ``jaxfuse-xla``), the
-  kernel rows timed where they compile (GPUs);
+  ``jaxfuse.ops.base.REGISTRY``: ``jaxfuse-pallas``, ``jaxfuse-triton``, ``jaxfuse-cpu``,
+  ``jaxfuse-xla``), the kernel rows timed where they compile (GPUs; the CPU kernels on CPUs);
 - ``jax-unfused``: the plain jnp chain (``jaxfuse.ops.*_reference``), differentiated by JAX;
 - ``torch-eager`` and ``torch-compile`` (``torch.nn.functional.rms_norm`` / ``layer_norm``, which
   ``torch.nn.RMSNorm`` / ``LayerNorm`` call; ``torch.compile`` of the forward, with its compiled
@@ -21,7 +21,8 @@ applies.
 in the same case (``ratio_to`` names it). ``residual_bytes`` is what the backward keeps beyond
 inputs and parameters (for the add variant it includes ``x + residual``, which is an output
 anyway). ``bytes_moved`` is the HBM traffic of the Pallas kernels counted by
-``jaxfuse.metrics.bytes_moved``, for the whole forward + backward step; the ``jax-unfused`` row
+``jaxfuse.metrics.bytes_moved``, for the whole forward + backward step (for the CPU kernels, the
+operands and results of their calls: ``jaxfuse.metrics.cpu_kernel_traffic``); the ``jax-unfused`` row
 of ``add_rms_norm`` carries the bytes of the same chain run as Pallas kernels (an add kernel,
 then the rms_norm kernels, and an add kernel joining the two gradients of ``x + residual``). JAX
 rows compiled here also carry XLA's own cost analysis (``xla_bytes_accessed``) and compiled temp
@@ -233,7 +234,9 @@ def run_case(ctx, case: Case, tokamax) -> list[Record]:
     if impl in steps:
       ctx.step(f"{case.name}: {impl} compiled figures")
       harness.record_compiled_figures(rec, steps[impl], args, cts)
-    if kind is not None and kind.interpretable:
+    if harness.runs_cpu_kernels(impl):
+      harness.record_cpu_kernel_figures(rec, fns[impl], args, cts)
+    elif kind is not None and kind.interpretable:
       _pallas_figures(ctx, case, fns[impl], rec, args, cts)
     elif kind is not None:  # the Triton kernels
       _triton_figures(ctx, case, fns[impl], rec)

@@ -135,12 +135,8 @@ def _kernel_figures(ctx, case, impl, rec, inputs, g):
   from interpret mode at a reduced shape."""
   f = case.jax_fns[impl]
   kind = harness.kernel_kind(impl)
-  if ctx.native(kind.name) and not kind.interpretable and "cpu" in kind.platforms:
-    rec.set("bytes_moved", harness.step_cpu_kernel_bytes(f, inputs, g, n_diff=case.n_diff),
-            records_lib.CPU_KERNEL_BYTES_SOURCE)
-    rec.set("xla_bytes_accessed", None, records_lib.XLA_BYTES_SOURCE)
-    rec.add_note("XLA's cost analysis does not see into the CPU kernels: bytes moved counts "
-                 "their operands and results")
+  if harness.runs_cpu_kernels(impl):
+    harness.record_cpu_kernel_figures(rec, f, inputs, g, n_diff=case.n_diff)
     return
   if kind.interpretable:
     ctx.step(f"{case.name}: Pallas bytes moved")

@@ -1,5 +1,6 @@
 """Differentiable ops. Each has a plain-jnp reference, kernel implementations and a custom_vjp
-that chooses what the backward keeps; ``implementation=None | "pallas" | "triton" | "xla"``."""
+that chooses what the backward keeps; ``implementation=None | "pallas" | "triton" | "xla"``,
+and ``"cpu"`` for the ops with CPU kernels."""
 
 from jaxfuse.ops import activations, names
 from jaxfuse.ops.bias_activation import bias_act, bias_act_reference

@@ -1,9 +1,9 @@
 """The kinds of implementation an op can have, where each runs, and how a call picks one.
 
-Every op is ``implementation=None | "pallas" | "triton" | "xla"``. The three kinds are one
+Every op is ``implementation=None | "pallas" | "triton" | "cpu" | "xla"``. The kinds are one
 table, :data:`KINDS`: the platforms each compiles for, what else it needs (jax-triton for the
-Triton kernels), the package its kernel modules live in, and whether it runs on CPU in
-interpret mode. An op declares which kinds it has and its ``None`` order once, in its
+Triton kernels, a C++ compiler for the CPU kernels), the package its kernel modules live in,
+and whether it runs on CPU in interpret mode. An op declares which kinds it has and its ``None`` order once, in its
 :class:`jaxfuse.ops.base.Op`; everything else (this module's :func:`resolve`, the lazy import
 of its kernel modules, the benchmark rows, the parity tests, the kernel-resource report) reads
 that declaration. An implementation asked for by name that cannot run here raises

@@ -81,9 +81,10 @@ def glu(a: jax.Array, b: jax.Array | str | Callable | None = None,
       None).
     activation: ``"silu"`` (SwiGLU), ``"gelu"`` / ``"gelu_tanh"`` (GEGLU), ``"relu"``
       (ReGLU), another name from :data:`jaxfuse.ops.activations.ACTIVATIONS`, or an
-      elementwise jnp function (not with ``implementation="triton"``).
-    implementation: ``None`` (XLA: it fuses this by itself), ``"pallas"``, ``"triton"`` or
-      ``"xla"``.
+      elementwise jnp function (not with ``implementation="triton"`` or ``"cpu"``).
+    implementation: ``None`` (on GPUs XLA, which fuses this by itself; on CPUs the CPU
+      kernels, which write both gradients from one loop where XLA:CPU runs two),
+      ``"pallas"``, ``"triton"``, ``"cpu"`` or ``"xla"``.
     act: the former name of ``activation`` (deprecated).
 
   Returns:

@@ -53,7 +53,8 @@ LAYER_NORM = base.Op("layer_norm", "normalization")
 RMS_NORM = base.Op("rms_norm", "normalization")
 ADD_LAYER_NORM = base.Op("add_layer_norm", "normalization")
 ADD_RMS_NORM = base.Op("add_rms_norm", "normalization")
-ADD_RMS_NORM_UNFUSED = base.Op("add_rms_norm_unfused", "normalization")
+# The unfused baseline has no CPU kernels: its add is the elementwise kernels' own.
+ADD_RMS_NORM_UNFUSED = base.Op("add_rms_norm_unfused", "normalization", kinds=("pallas", "triton"))
 
 
 # Plain-jnp references ---------------------------------------------------------------------------

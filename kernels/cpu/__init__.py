@@ -63,8 +63,15 @@ def available() -> bool:
 
 
 def cache_dir() -> pathlib.Path:
-  root = os.environ.get("JAXFUSE_CACHE_DIR") or os.path.join(
-      os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "jaxfuse")
+  """Where the built libraries go: ``$JAXFUSE_CACHE_DIR/cpu-kernels``, by default under
+  ``~/.cache/jaxfuse`` (or the temporary directory where the home folder is not writable)."""
+  root = os.environ.get("JAXFUSE_CACHE_DIR")
+  if not root:
+    home = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    writable = os.access(home, os.W_OK) or not os.path.exists(home) and os.access(
+        os.path.dirname(home) or os.curdir, os.W_OK)
+    root = os.path.join(home if writable else tempfile.gettempdir(),
+                        "jaxfuse" if writable else f"jaxfuse-{os.getuid()}")
   return pathlib.Path(root) / "cpu-kernels"
 
 
