@@ -218,8 +218,18 @@ def test_normalizations_against_xla(name, dtype):
 
 @needs_cpu_kernels
 def test_normalization_one_call_each_way():
+  """``None`` runs LayerNorm's CPU kernels, one call each way; RMSNorm's only by name (they
+  measure no faster than XLA's formulas, which may fuse with their neighbours)."""
   x, _, g = helpers.random_pair((64, 256), jnp.float32)
   s = jnp.ones(256)
-  step = jax.value_and_grad(lambda x, s: jnp.sum(rms_norm(x, s) * g), argnums=(0, 1))
-  assert _ffi_targets(step, x, s) == ["jaxfuse_norm_backward", "jaxfuse_norm_forward"]
-  assert base.REGISTRY["add_rms_norm_unfused"].preference["cpu"] == ("xla",)
+  for op, impl, want in ((layer_norm, None, ["jaxfuse_norm_backward", "jaxfuse_norm_forward"]),
+                         (rms_norm, None, []),
+                         (rms_norm, "cpu", ["jaxfuse_norm_backward", "jaxfuse_norm_forward"])):
+    step = jax.value_and_grad(lambda x, s, op=op, impl=impl: jnp.sum(
+        op(x, s, implementation=impl) * g), argnums=(0, 1))
+    assert _ffi_targets(step, x, s) == want, (op, impl)
+  prefs = {name: base.REGISTRY[name].preference["cpu"] for name in (
+      "layer_norm", "add_layer_norm", "rms_norm", "add_rms_norm", "add_rms_norm_unfused")}
+  assert prefs == {"layer_norm": ("cpu", "xla"), "add_layer_norm": ("cpu", "xla"),
+                   "rms_norm": ("xla", "cpu"), "add_rms_norm": ("xla", "cpu"),
+                   "add_rms_norm_unfused": ("xla",)}

@@ -55,6 +55,11 @@ from jaxfuse.ops import dispatch, partitioning
 # Where the installed jax has deprecated Pallas' Triton backend (0.11 and later) or lacks it, the
 # jax-triton kernels take Pallas' place in each order (the same math: both pass the same twin
 # tests); an op without a Triton kernel then falls to XLA.
+# On CPUs an op with CPU kernels (jaxfuse.kernels.cpu) tries them first where they measure
+# faster than XLA (the norm suite's jaxfuse-cpu rows); else XLA first: a kernel call is a fusion
+# boundary, where XLA may fuse an op's elementwise ends with its neighbours.
+CPU_KERNELS_FIRST = ("cpu", "xla")
+XLA_FIRST_ON_CPU = ("xla", "cpu")
 ELEMENTWISE_GPU_ORDER = ("xla", "pallas", "triton")
 KERNEL_GPU_ORDER = ("pallas", "triton", "xla")
 MATMUL_GPU_ORDER = ("xla", "pallas", "triton")
@@ -75,9 +80,9 @@ class Op:
       which define the same functions with the same signatures), or None for an op that XLA
       alone implements. Every op has ``"xla"``: its own jnp formulas.
     gpu_order: the order ``None`` tries on GPUs (one of the ``*_GPU_ORDER`` rules above).
-      On CPUs ``None`` tries the CPU kernels first where the op has them (they exist only
-      where XLA:CPU cannot make the fusion), then ``"xla"``; on TPUs it is ``"xla"``. Pallas
-      runs on CPUs only in interpret mode, which is for tests.
+    cpu_order: the order ``None`` tries on CPUs, for an op with CPU kernels
+      (:data:`CPU_KERNELS_FIRST` or :data:`XLA_FIRST_ON_CPU`); on TPUs it is ``"xla"``.
+      Pallas runs on CPUs only in interpret mode, which is for tests.
     kinds: the kernel kinds it has (default: every kind of :data:`dispatch.KINDS` whose
       package holds a module named ``kernels``).
     register: whether it enters :data:`REGISTRY` (False for examples and tests).
@@ -91,6 +96,7 @@ class Op:
   kernels: str | None = None
   gpu_order: tuple[str, ...] = KERNEL_GPU_ORDER
   kinds: tuple[str, ...] | None = None
+  cpu_order: tuple[str, ...] = CPU_KERNELS_FIRST
   register: bool = dataclasses.field(default=True, compare=False, repr=False)
 
   def __post_init__(self):
@@ -130,8 +136,8 @@ class Op:
       if "triton" in order:   # the Triton kernels take Pallas' place
         order.remove("triton")
         order.insert(list(self.gpu_order).index("pallas"), "triton")
-    on_cpu = tuple(k for k in self.kinds if "cpu" in dispatch.KINDS[k].platforms)
-    return {"gpu": tuple(order), "cpu": on_cpu + ("xla",), "tpu": ("xla",)}
+    on_cpu = tuple(i for i in self.cpu_order if i in self.implementations)
+    return {"gpu": tuple(order), "cpu": on_cpu, "tpu": ("xla",)}
 
   def refuses(self, implementation: str, facts: Mapping | None) -> str | None:
     """Why ``implementation``'s kernels cannot take a call with ``facts`` (None: they can)."""
