@@ -233,3 +233,19 @@ def test_normalization_one_call_each_way():
   assert prefs == {"layer_norm": ("cpu", "xla"), "add_layer_norm": ("cpu", "xla"),
                    "rms_norm": ("xla", "cpu"), "add_rms_norm": ("xla", "cpu"),
                    "add_rms_norm_unfused": ("xla",)}
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("name", ["layer_norm", "rms_norm", "add_rms_norm"])
+def test_normalization_vmapped_over_parameters(name):
+  """vmap with per-example parameters: each example is normalized with its own scale (and
+  bias) and sums its own parameter gradients (the kernels read the examples off the
+  parameters' leading axes)."""
+  x, r, g = helpers.random_pair((3, 5, 40, 96), jnp.float32, seed=11)
+  s, b, _ = helpers.random_pair((3, 96), jnp.float32, seed=12)
+  step = _norm_step(name, "cpu")
+  mapped = jax.jit(jax.vmap(lambda *a: step(*a)))(x, r, s, b, g)
+  for i in range(3):
+    want = _norm_step(name, "xla")(x[i], r[i], s[i], b[i], g[i])
+    for got_leaf, want_leaf in zip(jax.tree.leaves(mapped), jax.tree.leaves(want)):
+      helpers.assert_close(got_leaf[i], want_leaf, what=f"{name} example {i}")
