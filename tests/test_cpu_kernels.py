@@ -231,7 +231,7 @@ def test_normalization_one_call_each_way():
   prefs = {name: base.REGISTRY[name].preference["cpu"] for name in (
       "layer_norm", "add_layer_norm", "rms_norm", "add_rms_norm", "add_rms_norm_unfused")}
   assert prefs == {"layer_norm": ("cpu", "xla"), "add_layer_norm": ("cpu", "xla"),
-                   "rms_norm": ("xla", "cpu"), "add_rms_norm": ("cpu", "xla"),
+                   "rms_norm": ("xla", "cpu"), "add_rms_norm": ("xla", "cpu"),
                    "add_rms_norm_unfused": ("xla",)}
 
 
