@@ -192,6 +192,15 @@ JAXFUSE_INLINE float row_sum(const float* __restrict a, int64_t n) {
 
 // The parallel loop ------------------------------------------------------------------------------
 
+// Elements of a chunk of the parallel loop, at least: below this, splitting costs more than
+// it saves.
+constexpr int64_t kGrain = 1 << 14;
+
+// The rows of width h that make a chunk of at least kGrain elements (at least one).
+inline int64_t row_grain(int64_t h) {
+  return std::max<int64_t>(1, kGrain / std::max<int64_t>(1, h));
+}
+
 // How many chunks of at least `grain` of [0, n) the pool's threads take (at least 1): a few per
 // thread, so that a thread that wakes late still finds work.
 constexpr int64_t kChunksPerThread = 4;

@@ -12,10 +12,7 @@
 namespace jaxfuse {
 namespace {
 
-constexpr int64_t kGrain = 1 << 14;   // elements of a chunk of the parallel loop, at least
 constexpr int64_t kBlockRows = 32;     // rows whose parameter gradients are summed apart
-
-int64_t row_grain(int64_t h) { return std::max<int64_t>(1, kGrain / std::max<int64_t>(1, h)); }
 
 // The optional operands arrive as empty arrays.
 template <typename T>
