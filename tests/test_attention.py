@@ -52,7 +52,9 @@ def test_xla_fp32_matches_torch(shape, causal, path, monkeypatch):
 
 # Causal with fewer queries than keys is the op table's case "causal q<kv".
 LENGTH_CASES = [("xla", (130, 77), False), ("xla", (130, 77), True), ("xla", (77, 130), False),
-                ("pallas", (130, 77), False)]
+                ("pallas", (130, 77), False),
+                *((impl, lengths, causal) for impl in helpers.CPU_KERNELS
+                  for lengths, causal in (((130, 77), True), ((77, 130), False)))]
 
 
 @pytest.mark.parametrize("impl, lengths, causal", LENGTH_CASES,
@@ -97,7 +99,8 @@ def test_xla_strips_backward_one_unit_at_a_time_in_its_length_window(monkeypatch
     assert_matches_torch(jax_step(q, k, v, g, "xla", causal=True), want, f"window {window}")
 
 
-@pytest.mark.parametrize("impl, d", [("xla", 256), ("pallas", 256)])
+@pytest.mark.parametrize("impl, d", [("xla", 256), ("pallas", 256),
+                                     *((i, d) for i in helpers.CPU_KERNELS for d in (80, 256))])
 def test_head_dim_range(impl, d, pallas_mode):
   q, k, v, g = inputs(1, 50, 50, 2, 2, d, seed=3)
   scale = 1.5 / d**0.5
@@ -106,7 +109,9 @@ def test_head_dim_range(impl, d, pallas_mode):
 
 
 @pytest.mark.parametrize("impl, causal", [("xla", False), ("xla", True), ("xla-tiles", True),
-                                          ("pallas", True)])
+                                          ("pallas", True),
+                                          *((i, c) for i in helpers.CPU_KERNELS
+                                            for c in (False, True))])
 def test_padding_segments_and_fully_masked_rows(impl, causal, pallas_mode, monkeypatch):
   """kv_lengths (one full row, one padded, one empty) and segment ids (sorted, with queries
   whose segment has no key): the output and gradients match torch; rows that see no key give
@@ -117,7 +122,7 @@ def test_padding_segments_and_fully_masked_rows(impl, causal, pallas_mode, monke
 
     monkeypatch.setattr(xla, "XLA_STRIP_MAX_SCORES", 0)
     impl = "xla"
-  t = 300 if impl == "xla" else 77
+  t = 77 if impl == "pallas" else 300
   q, k, v, g = inputs(3, t, t, 2, 1, 32, seed=4)
   kv_lengths = jnp.array([t, t // 3, 0], jnp.int32)
   rng = np.random.default_rng(4)
@@ -185,7 +190,7 @@ def test_reference_matches_torch():
 # Memory ----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("impl", helpers.CPU_IMPLEMENTATIONS)
+@pytest.mark.parametrize("impl", helpers.TABLE_IMPLEMENTATIONS)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
 def test_backward_keeps_only_output_and_logsumexp(impl, dtype, pallas_mode):
   b, t, h, d = 1, 256, 4, 64

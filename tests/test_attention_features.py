@@ -22,7 +22,7 @@ SMALL_BLOCKS = BlockSizes(16, 32, 32, 16, 16, 32)
 # The XLA path runs strips up to 2048 positions and tile loops beyond; "xla-tiles"
 # runs the tile loops at these short lengths.
 XLA_TILES = "xla-tiles"
-IMPLEMENTATIONS = (*helpers.CPU_IMPLEMENTATIONS, XLA_TILES)
+IMPLEMENTATIONS = (*helpers.TABLE_IMPLEMENTATIONS, XLA_TILES)
 
 
 @pytest.fixture
@@ -104,7 +104,8 @@ def test_features_match_torch_float64(tq, tk, causal, window, softcap, lengths, 
     helpers.assert_close(a, b, what=what)
 
 
-@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+# The CPU kernels take no bias (their refusal is tested in test_cpu_kernels.py).
+@pytest.mark.parametrize("impl", [i for i in IMPLEMENTATIONS if i not in helpers.CPU_KERNELS])
 def test_features_with_a_bias_match_torch_float64(impl, small_tiles, pallas_mode):
   """The bias is added after the soft-cap: its gradient is taken before the cap's factor."""
   tq, tk = 29, 45
@@ -168,7 +169,7 @@ def test_decoding_from_a_cache_equals_the_full_forward(impl, small_tiles, pallas
     helpers.assert_close(step[:, 0], full[jnp.arange(b), at], what=f"position {pos}")
 
 
-@pytest.mark.parametrize("impl", helpers.CPU_IMPLEMENTATIONS)
+@pytest.mark.parametrize("impl", helpers.TABLE_IMPLEMENTATIONS)
 def test_second_order_of_the_features_matches_torch(impl, small_tiles, pallas_mode):
   """Hessian-vector products (reverse over reverse, forward over reverse) with bottom-right
   alignment, a window, a soft-cap and grouped-query heads, against torch's double backward."""

@@ -1,7 +1,8 @@
 """The C++ CPU kernels (jaxfuse.kernels.cpu): how they are built and chosen, and against XLA's
 formulas where the op tables do not reach (glu's every activation and dtype, the activations'
-tails, NaN, vmap; the normalizations' parameter and residual combinations, many rows). The op
-tables test them against torch (test_op_twins.py, test_second_order.py, sharding/)."""
+tails, NaN, vmap; the normalizations' parameter and residual combinations, many rows;
+attention over many tiles with every mask, low precision, vmap). The op tables test them against
+torch (test_op_twins.py, test_second_order.py, sharding/)."""
 
 import os
 import re
@@ -14,7 +15,8 @@ import pytest
 import jaxfuse
 from jaxfuse.kernels import cpu
 from jaxfuse.kernels import activations as kernel_activations
-from jaxfuse.ops import add_layer_norm, add_rms_norm, base, dispatch, glu, layer_norm, rms_norm
+from jaxfuse.ops import (add_layer_norm, add_rms_norm, attention, attention_reference, base,
+                         dispatch, glu, layer_norm, rms_norm)
 from tests import helpers
 
 needs_cpu_kernels = pytest.mark.skipif(not helpers.CPU_KERNELS,
@@ -249,3 +251,106 @@ def test_normalization_vmapped_over_parameters(name):
     want = _norm_step(name, "xla")(x[i], r[i], s[i], b[i], g[i])
     for got_leaf, want_leaf in zip(jax.tree.leaves(mapped), jax.tree.leaves(want)):
       helpers.assert_close(got_leaf[i], want_leaf, what=f"{name} example {i}")
+
+
+# Attention ------------------------------------------------------------------------------------
+
+
+def _attention_step(impl, **options):
+  def run(q, k, v, g):
+    out, vjp = jax.vjp(lambda q, k, v: attention(q, k, v, implementation=impl, **options),
+                       q, k, v)
+    return (out, *vjp(g))
+  return jax.jit(run)
+
+
+def _attention_inputs(b, tq, tk, hq, hkv, d, seed=0, dtype=jnp.float32):
+  return helpers.normals(seed, (b, tq, hq, d), (b, tk, hkv, d), (b, tk, hkv, d), (b, tq, hq, d),
+                         dtype=dtype)
+
+
+@needs_cpu_kernels
+def test_attention_none_takes_the_cpu_kernels_without_a_bias():
+  """On a CPU, ``None`` runs attention's CPU kernels (one FFI call each way); with a bias,
+  which they do not take, XLA's algorithm; asked for by name with a bias, an error saying so."""
+  q, k, v, g = _attention_inputs(1, 40, 40, 2, 2, 16)
+  loss = lambda q, k, v: jnp.sum(attention(q, k, v, causal=True) * g)
+  names = _ffi_targets(jax.grad(loss, argnums=(0, 1, 2)), q, k, v)
+  assert names == ["jaxfuse_attention_backward", "jaxfuse_attention_forward"]
+  bias = jnp.zeros((1, 2, 40, 40))
+  with_bias = lambda q, k, v: jnp.sum(attention(q, k, v, bias=bias) * g)
+  assert _ffi_targets(jax.grad(with_bias, argnums=(0, 1, 2)), q, k, v) == []
+  with pytest.raises(ValueError, match="takes no bias"):
+    attention(q, k, v, bias=bias, implementation="cpu")
+  assert base.REGISTRY["attention"].preference["cpu"] == ("cpu", "xla")
+
+
+# Lengths that span several 64-wide tiles with ragged tails, each mask and alignment, grouped
+# heads and head dims that are not multiples of 16.
+ATTENTION_CASES = [
+    dict(shape=(2, 200, 200, 6, 2, 40), causal=True),
+    dict(shape=(1, 130, 250, 4, 1, 24), causal="bottom_right", sliding_window=70),
+    dict(shape=(2, 250, 130, 2, 2, 64), causal="bottom_right", kv_lengths=(100, 0)),
+    dict(shape=(1, 190, 190, 3, 3, 16), causal=True, sliding_window=64, logit_softcap=7.0),
+    dict(shape=(2, 150, 170, 4, 2, 32), logit_softcap=3.0, kv_lengths=(170, 65)),
+    dict(shape=(2, 180, 180, 2, 1, 8), segments=True, causal=True),
+]
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("case", ATTENTION_CASES, ids=lambda c: "-".join(
+    f"{k}={v}" for k, v in c.items()))
+def test_attention_over_many_tiles_against_the_reference(case):
+  """Output and gradients against the float32 reference (the full score matrix) where the
+  kernels visit many tiles: diagonal, window-edge and ragged tiles are masked element by
+  element, tiles outside the masks skipped; rows that see no key are zero."""
+  case = dict(case)
+  b, tq, tk, hq, hkv, d = case.pop("shape")
+  q, k, v, g = _attention_inputs(b, tq, tk, hq, hkv, d, seed=tq + tk)
+  if "kv_lengths" in case:
+    case["kv_lengths"] = jnp.array(case["kv_lengths"], jnp.int32)
+  if case.pop("segments", False):
+    case["segment_ids"] = (jnp.arange(tq)[None].repeat(b, 0) * 7 // tq) % 3
+  got = _attention_step("cpu", **case)(q, k, v, g)
+
+  def reference(q, k, v, g):
+    out, vjp = jax.vjp(lambda q, k, v: attention_reference(q, k, v, **case), q, k, v)
+    return (out, *vjp(g))
+
+  want = jax.jit(reference)(q, k, v, g)
+  for name, x, y in zip(("out", "dq", "dk", "dv"), got, want):
+    helpers.assert_close(x, y, what=f"{case} {name}")
+  if "kv_lengths" in case and int(case["kv_lengths"][-1]) == 0:
+    assert not np.asarray(got[0][-1]).any() and not np.asarray(got[1][-1]).any()
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_attention_low_precision_against_float32(dtype):
+  """bfloat16 and float16 in, float32 math: within one step of the format (at the result's
+  largest magnitude) of the float32 kernels' result on the same rounded inputs; the gradients
+  differ by more than their own rounding because the backward reads the rounded output."""
+  dtype = jnp.dtype(dtype)
+  q, k, v, g = _attention_inputs(1, 150, 150, 4, 2, 64, seed=3, dtype=dtype)
+  got = _attention_step("cpu", causal=True)(q, k, v, g)
+  want = _attention_step("cpu", causal=True)(*(x.astype(jnp.float32) for x in (q, k, v, g)))
+  eps = float(jnp.finfo(dtype).eps)
+  for name, x, y in zip(("out", "dq", "dk", "dv"), got, want):
+    assert x.dtype == dtype, name
+    x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
+    assert np.max(np.abs(x - y)) <= eps * np.max(np.abs(y)), name
+
+
+@needs_cpu_kernels
+def test_attention_vmapped_with_per_example_lengths():
+  """vmap over a leading axis with per-example kv lengths: the kernels take the extra axis as
+  more batch, and each example keeps its own lengths."""
+  q, k, v, g = _attention_inputs(6, 70, 70, 2, 1, 16, seed=5)
+  q, k, v, g = (x.reshape(3, 2, *x.shape[1:]) for x in (q, k, v, g))
+  lengths = jnp.array([[70, 10], [0, 33], [64, 65]], jnp.int32)
+  step = lambda q, k, v, g, n: _attention_step("cpu", causal=True, kv_lengths=n)(q, k, v, g)
+  mapped = jax.jit(jax.vmap(step))(q, k, v, g, lengths)
+  for i in range(3):
+    want = _attention_step("xla", causal=True, kv_lengths=lengths[i])(q[i], k[i], v[i], g[i])
+    for x, y in zip(mapped, want):
+      helpers.assert_close(x[i], y, what=f"example {i}")

@@ -61,7 +61,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxfuse.kernels.pallas.flash_attention import BlockSizes
-from jaxfuse.ops import base, names, partitioning
+from jaxfuse.ops import base, dispatch, names, partitioning
 from jaxfuse.ops.flash_attention import arguments, reference, tuning, xla
 
 ATTENTION = base.Op("attention", "flash_attention", base.KERNEL_GPU_ORDER)
@@ -147,10 +147,11 @@ def make_config(q, k, *, causal: str | None, scale: float, implementation: str |
                 logit_softcap: float | None = None) -> Config:
   """The static configuration of attention of ``q`` over ``k`` (checked arguments; ``causal``
   None, ``"top_left"`` or ``"bottom_right"``): the implementation and its tiles."""
-  impl = ATTENTION.resolve(implementation, {"head_dim": q.shape[-1]})
+  impl = ATTENTION.resolve(implementation, {"head_dim": q.shape[-1], "has_bias": has_bias,
+                                            "dtype": q.dtype})
   kernels = ATTENTION.module_name(impl) is not None
   blocks = (tuning.block_sizes_for(q, k, causal=causal is not None, has_bias=has_bias)
-            if kernels else None)
+            if kernels and "gpu" in dispatch.KINDS[impl].platforms else None)
   return ATTENTION.config(impl, Config, causal=causal, scale=scale, blocks=blocks,
                           xla_block=0 if kernels else xla.xla_block_size(q.shape[1], k.shape[1]),
                           sliding_window=sliding_window,

@@ -1,0 +1,506 @@
+// Flash attention forward and backward for CPUs (see flash_attention.py).
+//
+// Every product is C (+)= A B on 64-wide float32 tiles with A and B row-major, in registers
+// (gemm below). To make that so, each call first copies the operands it multiplies into
+// float32 buffers padded to whole tiles, transposed where a product needs them transposed
+// (kᵀ, and in the backward qᵀ and doᵀ): O(T·D) copies for O(T²·D) products. The scores are in
+// base 2 (q is scaled by scale·log2(e) in its copy), so the softmax is exp2.
+//
+// Forward, per query tile: s = q kᵀ tile by tile with the online softmax (running max m, sum
+// l, output o rescaled as m grows); it writes o / l and lse = m + log2(l).
+// Backward, per (batch, kv head), per key tile j, per query head of the group, per query tile
+// i: sᵀ = k qᵀ, pᵀ = exp2(sᵀ - lse), dv_j += pᵀ do, dpᵀ = v doᵀ, dsᵀ = pᵀ (dpᵀ - delta),
+// dk_j += dsᵀ q, dqᵀ_i += kᵀ dsᵀ (all in the transposed frame, so no tile is transposed).
+#include <cmath>
+#include <cstdlib>
+#include <limits>
+#include <string>
+
+#include "common.h"
+
+namespace jaxfuse {
+namespace {
+
+typedef float v16 __attribute__((vector_size(64)));
+constexpr int64_t kV = 16;     // floats in a vector
+constexpr int64_t kTile = 64;  // query and key tile
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+JAXFUSE_INLINE v16 vload(const float* p) { v16 v; std::memcpy(&v, p, sizeof v); return v; }
+JAXFUSE_INLINE void vstore(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
+
+// A zeroed float32 buffer aligned to 64 bytes.
+struct Floats {
+  float* p = nullptr;
+  explicit Floats(int64_t n) {
+    size_t bytes = ((static_cast<size_t>(std::max<int64_t>(n, 1)) * 4 + 63) / 64) * 64;
+    p = static_cast<float*>(std::aligned_alloc(64, bytes));
+    std::memset(p, 0, bytes);
+  }
+  ~Floats() { std::free(p); }
+  Floats(const Floats&) = delete;
+  Floats& operator=(const Floats&) = delete;
+};
+
+JAXFUSE_INLINE int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
+// 2**x to about 2 ulp (Cephes' exp2f polynomial); exactly 0 below -126, so a masked score
+// (-inf) gives a zero probability.
+JAXFUSE_INLINE float exp2_f(float x) {
+  float c = x < -126.0f ? -126.0f : (x > 127.0f ? 127.0f : x);
+  float n = __builtin_floorf(c + 0.5f);
+  float f = c - n;
+  float p = 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.0f;
+  float y = p * from_bits(static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23);
+  return x < -126.0f ? 0.0f : y;
+}
+
+// Products ---------------------------------------------------------------------------------------
+
+// C[R x 16·NV] (+)= A[R x K] B[K x 16·NV], the C block in registers.
+template <int R, int NV, bool kAccumulate>
+JAXFUSE_INLINE void block(int64_t K, const float* __restrict A, int64_t lda,
+                          const float* __restrict B, int64_t ldb, float* __restrict C,
+                          int64_t ldc) {
+  v16 c[R][NV];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) c[r][v] = kAccumulate ? vload(C + r * ldc + v * kV) : v16{};
+  for (int64_t k = 0; k < K; ++k) {
+    v16 b[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) b[v] = vload(B + k * ldb + v * kV);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      float a = A[r * lda + k];
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) c[r][v] += a * b[v];
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) vstore(C + r * ldc + v * kV, c[r][v]);
+}
+
+// C[M x 16·NV] (+)= A[M x K] B[K x 16·NV] in blocks of 6 rows, then 4 or 2 (M is even).
+template <int NV, bool kAccumulate>
+JAXFUSE_INLINE void panel(int64_t M, int64_t K, const float* A, int64_t lda, const float* B,
+                          int64_t ldb, float* C, int64_t ldc) {
+  int64_t m = 0;
+  for (; m + 6 <= M; m += 6) block<6, NV, kAccumulate>(K, A + m * lda, lda, B, ldb, C + m * ldc, ldc);
+  if (M - m >= 4) {
+    block<4, NV, kAccumulate>(K, A + m * lda, lda, B, ldb, C + m * ldc, ldc);
+    m += 4;
+  }
+  if (M - m >= 2) block<2, NV, kAccumulate>(K, A + m * lda, lda, B, ldb, C + m * ldc, ldc);
+}
+
+// C[M x N] (+)= A[M x K] B[K x N], row-major with leading dimensions lda, ldb, ldc; M a
+// multiple of 2, N of 16.
+template <bool kAccumulate>
+void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
+          int64_t ldb, float* C, int64_t ldc) {
+  for (int64_t n = 0; n < N; n += 4 * kV) {
+    switch (std::min<int64_t>(4, (N - n) / kV)) {
+      case 4: panel<4, kAccumulate>(M, K, A, lda, B + n, ldb, C + n, ldc); break;
+      case 3: panel<3, kAccumulate>(M, K, A, lda, B + n, ldb, C + n, ldc); break;
+      case 2: panel<2, kAccumulate>(M, K, A, lda, B + n, ldb, C + n, ldc); break;
+      default: panel<1, kAccumulate>(M, K, A, lda, B + n, ldb, C + n, ldc); break;
+    }
+  }
+}
+
+JAXFUSE_INLINE float row_max(const float* x) {   // of kTile floats
+  v16 m = vload(x);
+  for (int64_t v = 1; v < kTile / kV; ++v) {
+    v16 y = vload(x + v * kV);
+    m = y > m ? y : m;
+  }
+  float out = m[0];
+  for (int i = 1; i < kV; ++i) out = m[i] > out ? m[i] : out;
+  return out;
+}
+
+// The problem ------------------------------------------------------------------------------------
+
+struct Problem {
+  int64_t batch, tq, tk, hq, hkv, d;
+  int64_t dp, tqp, tkp;   // d padded to 16, the lengths to whole tiles
+  int32_t causal;         // 0: none, 1: top-left, 2: bottom-right
+  int64_t window;         // 0: none
+  float scale, softcap;   // softcap 0: none
+  const int32_t* q_seg;   // [batch, tq] or null
+  const int32_t* kv_seg;  // [batch, tk] or null
+  const int32_t* lengths; // [batch] or null
+
+  int64_t group() const { return hq / hkv; }
+  int64_t kv_len(int64_t b) const {
+    return lengths ? std::clamp<int64_t>(lengths[b], 0, tk) : tk;
+  }
+  int64_t offset(int64_t b) const { return causal == 2 ? kv_len(b) - tq : 0; }
+
+  // The keys [lo, hi) that query rows [i0, i1) can see, before segments.
+  void key_range(int64_t b, int64_t i0, int64_t i1, int64_t& lo, int64_t& hi) const {
+    int64_t off = offset(b);
+    lo = 0;
+    hi = kv_len(b);
+    if (causal) hi = std::min(hi, i1 - 1 + off + 1);
+    if (window) lo = std::max<int64_t>(0, i0 + off - window + 1);
+  }
+  // The queries [lo, hi) that can see some key of [j0, j1), before segments.
+  void query_range(int64_t b, int64_t j0, int64_t j1, int64_t& lo, int64_t& hi) const {
+    int64_t off = offset(b);
+    lo = 0;
+    hi = tq;
+    if (j0 >= kv_len(b)) { hi = 0; return; }
+    if (causal) lo = std::max<int64_t>(0, j0 - off);
+    if (window) hi = std::min<int64_t>(tq, j1 - 1 - off + window);
+  }
+  // Whether every query of [i0, i1) sees every key of [j0, j0 + kTile).
+  bool all_visible(int64_t b, int64_t i0, int64_t i1, int64_t j0) const {
+    int64_t off = offset(b), j1 = j0 + kTile;
+    return !q_seg && j1 <= kv_len(b) && (!causal || j1 - 1 <= i0 + off) &&
+           (!window || j0 > i1 - 1 + off - window);
+  }
+  bool visible(int64_t b, int64_t i, int64_t j, int64_t off, int64_t len) const {
+    return j < len && (!causal || j <= i + off) && (!window || j > i + off - window) &&
+           (!q_seg || q_seg[b * tq + i] == kv_seg[b * tk + j]);
+  }
+};
+
+// Copies x[b, t, h, :] (t < rows) into dst, times `factor`: as rows [tpad][dp], or transposed
+// tile by tile, [tpad / kTile][dp][kTile] (a tile's transpose contiguous: its rows 256 bytes
+// apart, not the whole length apart, which would put them in one L1 set). Both layouts put tile
+// t0's data at dst + t0 * dp. The padding stays zero.
+template <typename T>
+void copy_head(const T* x, int64_t b, int64_t rows, int64_t heads, int64_t h, int64_t d,
+               int64_t dp, int64_t tpad, float factor, bool transpose, float* dst) {
+  const T* base = x + (b * rows * heads + h) * d;
+  for (int64_t t = 0; t < rows; ++t) {
+    const T* row = base + t * heads * d;
+    if (transpose) {
+      float* tile = dst + t / kTile * kTile * dp + t % kTile;
+      for (int64_t c = 0; c < d; ++c) tile[c * kTile] = load(row, c) * factor;
+    } else {
+      for (int64_t c = 0; c < d; ++c) dst[t * dp + c] = load(row, c) * factor;
+    }
+  }
+}
+
+// Sets the masked scores of a tile (rows: queries from i0, columns: keys from j0; transposed:
+// rows keys, columns queries) to -inf.
+void mask_tile(const Problem& P, int64_t b, int64_t i0, int64_t j0, bool transposed, float* s) {
+  int64_t off = P.offset(b), len = P.kv_len(b);
+  for (int64_t r = 0; r < kTile; ++r)
+    for (int64_t c = 0; c < kTile; ++c) {
+      int64_t i = i0 + (transposed ? c : r), j = j0 + (transposed ? r : c);
+      if (i >= P.tq || !P.visible(b, i, j, off, len)) s[r * kTile + c] = -kInf;
+    }
+}
+
+// Scores s (scaled, natural units) to capped base-2 scores; keeps 1 - tanh² for the backward.
+void cap_tile(float softcap, float* s, float* dcap) {
+  for (int64_t e = 0; e < kTile * kTile; ++e) {
+    float t = tanh_f(s[e] / softcap);
+    s[e] = softcap * t * kLog2e;
+    if (dcap) dcap[e] = 1.0f - t * t;
+  }
+}
+
+// Forward ----------------------------------------------------------------------------------------
+
+template <typename T>
+void forward(ffi::ThreadPool& pool, const Problem& P, const T* q, const T* k, const T* v, T* o,
+             float* lse, bool base2) {
+  const int64_t G = P.group(), dp = P.dp, tiles = P.tqp / kTile;
+  const float qscale = P.softcap ? P.scale : P.scale * kLog2e;
+  // The (batch, kv head) pairs go in groups whose copies of kᵀ and v fit in about 64 MiB.
+  const int64_t pair_floats = 2 * P.tkp * dp;
+  const int64_t pairs = P.batch * P.hkv;
+  const int64_t per_round = std::clamp<int64_t>((int64_t{16} << 20) / pair_floats, 1, pairs);
+  Floats kt(per_round * pair_floats);   // per pair: kᵀ [dp][tkp], then v [tkp][dp]
+  for (int64_t first = 0; first < pairs; first += per_round) {
+    const int64_t count = std::min(per_round, pairs - first);
+    parallel_chunks(pool, count, count, [&](int64_t, int64_t lo, int64_t hi) {
+      for (int64_t p = lo; p < hi; ++p) {
+        int64_t b = (first + p) / P.hkv, h = (first + p) % P.hkv;
+        float* buf = kt.p + p * pair_floats;
+        std::memset(buf, 0, pair_floats * sizeof(float));
+        copy_head(k, b, P.tk, P.hkv, h, P.d, dp, P.tkp, 1.0f, true, buf);
+        copy_head(v, b, P.tk, P.hkv, h, P.d, dp, P.tkp, 1.0f, false, buf + P.tkp * dp);
+      }
+    });
+    // Items: (pair, query head of its group, query tile), the costliest (last) tiles first.
+    const int64_t items = count * G * tiles;
+    parallel_chunks(pool, items, items, [&](int64_t, int64_t lo, int64_t hi) {
+      Floats qtile(kTile * dp), acc(kTile * dp), s(kTile * kTile);
+      float m[kTile], l[kTile];
+      for (int64_t item = lo; item < hi; ++item) {
+        int64_t tile = tiles - 1 - item % tiles, rest = item / tiles;
+        int64_t g = rest % G, p = rest / G;
+        int64_t b = (first + p) / P.hkv, hk = (first + p) % P.hkv, h = hk * G + g;
+        const float* kT = kt.p + p * pair_floats;
+        const float* vv = kT + P.tkp * dp;
+        int64_t i0 = tile * kTile, i1 = std::min(P.tq, i0 + kTile);
+        std::memset(qtile.p, 0, kTile * dp * sizeof(float));
+        const T* qrow = q + ((b * P.tq + i0) * P.hq + h) * P.d;
+        for (int64_t r = 0; r < i1 - i0; ++r)
+          for (int64_t c = 0; c < P.d; ++c)
+            qtile.p[r * dp + c] = load(qrow + r * P.hq * P.d, c) * qscale;
+        std::memset(acc.p, 0, kTile * dp * sizeof(float));
+        for (int64_t r = 0; r < kTile; ++r) { m[r] = -kInf; l[r] = 0.0f; }
+        int64_t klo, khi;
+        P.key_range(b, i0, i1, klo, khi);
+        for (int64_t j0 = klo / kTile * kTile; j0 < khi; j0 += kTile) {
+          gemm<false>(kTile, kTile, dp, qtile.p, dp, kT + j0 * dp, kTile, s.p, kTile);
+          if (P.softcap) cap_tile(P.softcap, s.p, nullptr);
+          if (!P.all_visible(b, i0, i1, j0)) mask_tile(P, b, i0, j0, false, s.p);
+          for (int64_t r = 0; r < kTile; ++r) {
+            float* row = s.p + r * kTile;
+            float mnew = std::max(m[r], row_max(row));
+            float safe = mnew == -kInf ? 0.0f : mnew;
+            float alpha = exp2_f(m[r] - safe);
+            for (int64_t c = 0; c < kTile; ++c) row[c] = exp2_f(row[c] - safe);
+            l[r] = l[r] * alpha + row_sum(row, kTile);
+            m[r] = mnew;
+            if (alpha != 1.0f) {
+              float* a = acc.p + r * dp;
+              for (int64_t c = 0; c < dp; ++c) a[c] *= alpha;
+            }
+          }
+          gemm<true>(kTile, dp, kTile, s.p, kTile, vv + j0 * dp, dp, acc.p, dp);
+        }
+        for (int64_t r = 0; r < i1 - i0; ++r) {
+          T* out = o + ((b * P.tq + i0 + r) * P.hq + h) * P.d;
+          float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+          for (int64_t c = 0; c < P.d; ++c) store(out, c, acc.p[r * dp + c] * inv);
+          if (lse) {
+            float value = l[r] > 0.0f ? m[r] + std::log2(l[r]) : kInf;
+            lse[(b * P.hq + h) * P.tq + i0 + r] = base2 ? value : value * kLn2;
+          }
+        }
+      }
+    });
+  }
+}
+
+// Backward ---------------------------------------------------------------------------------------
+
+template <typename T>
+void backward(ffi::ThreadPool& pool, const Problem& P, const T* q, const T* k, const T* v,
+              const T* o, const float* lse, const T* dout, T* dq, T* dk, T* dv, bool base2) {
+  const int64_t G = P.group(), dp = P.dp, tqp = P.tqp, tkp = P.tkp;
+  const float qscale = P.softcap ? P.scale : P.scale * kLog2e;
+  const int64_t pairs = P.batch * P.hkv;
+  parallel_chunks(pool, pairs, pairs, [&](int64_t, int64_t lo, int64_t hi) {
+    // Per kv head: k, kᵀ, v; per query head of the group: q, scaled qᵀ, do, doᵀ, dqᵀ, lse,
+    // delta.
+    Floats kk(tkp * dp), kT(dp * tkp), vv(tkp * dp);
+    Floats qq(G * tqp * dp), qT(G * dp * tqp), dd(G * tqp * dp), dT(G * dp * tqp),
+        dqT(G * dp * tqp), ls(G * tqp), delta(G * tqp);
+    Floats dk_acc(kTile * dp), dv_acc(kTile * dp), pt(kTile * kTile), dpt(kTile * kTile),
+        dcap(P.softcap ? kTile * kTile : 1);
+    for (int64_t pair = lo; pair < hi; ++pair) {
+      int64_t b = pair / P.hkv, hk = pair % P.hkv;
+      for (Floats* f : {&kk, &kT, &vv, &qq, &qT, &dd, &dT, &dqT})
+        std::memset(f->p, 0, (f == &kk || f == &kT || f == &vv ? tkp : G * tqp) * dp * 4);
+      copy_head(k, b, P.tk, P.hkv, hk, P.d, dp, tkp, 1.0f, false, kk.p);
+      copy_head(k, b, P.tk, P.hkv, hk, P.d, dp, tkp, 1.0f, true, kT.p);
+      copy_head(v, b, P.tk, P.hkv, hk, P.d, dp, tkp, 1.0f, false, vv.p);
+      for (int64_t g = 0; g < G; ++g) {
+        int64_t h = hk * G + g, at = g * tqp * dp;
+        copy_head(q, b, P.tq, P.hq, h, P.d, dp, tqp, 1.0f, false, qq.p + at);
+        copy_head(q, b, P.tq, P.hq, h, P.d, dp, tqp, qscale, true, qT.p + at);
+        copy_head(dout, b, P.tq, P.hq, h, P.d, dp, tqp, 1.0f, false, dd.p + at);
+        copy_head(dout, b, P.tq, P.hq, h, P.d, dp, tqp, 1.0f, true, dT.p + at);
+        for (int64_t i = 0; i < tqp; ++i) {
+          float* L = ls.p + g * tqp;
+          float* D = delta.p + g * tqp;
+          if (i >= P.tq) { L[i] = kInf; D[i] = 0.0f; continue; }
+          float x = lse[(b * P.hq + h) * P.tq + i];
+          L[i] = base2 ? x : x * kLog2e;
+          const T* orow = o + ((b * P.tq + i) * P.hq + h) * P.d;
+          const float* drow = dd.p + at + i * dp;
+          float sum = 0.0f;
+          for (int64_t c = 0; c < P.d; ++c) sum += load(orow, c) * drow[c];
+          D[i] = sum;
+        }
+      }
+      for (int64_t j0 = 0; j0 < P.tk; j0 += kTile) {
+        std::memset(dk_acc.p, 0, kTile * dp * 4);
+        std::memset(dv_acc.p, 0, kTile * dp * 4);
+        int64_t qlo, qhi;
+        P.query_range(b, j0, std::min(P.tk, j0 + kTile), qlo, qhi);
+        for (int64_t g = 0; g < G; ++g) {
+          int64_t at = g * tqp * dp;
+          const float* L = ls.p + g * tqp;
+          const float* D = delta.p + g * tqp;
+          for (int64_t i0 = qlo / kTile * kTile; i0 < qhi; i0 += kTile) {
+            int64_t i1 = std::min(P.tq, i0 + kTile);
+            // sᵀ = k_j (scaled q_i)ᵀ, then pᵀ.
+            gemm<false>(kTile, kTile, dp, kk.p + j0 * dp, dp, qT.p + at + i0 * dp, kTile, pt.p,
+                        kTile);
+            if (P.softcap) cap_tile(P.softcap, pt.p, dcap.p);
+            if (!P.all_visible(b, i0, i1, j0)) mask_tile(P, b, i0, j0, true, pt.p);
+            for (int64_t r = 0; r < kTile; ++r) {
+              float* row = pt.p + r * kTile;
+              for (int64_t c = 0; c < kTile; ++c) row[c] = exp2_f(row[c] - L[i0 + c]);
+            }
+            gemm<true>(kTile, dp, kTile, pt.p, kTile, dd.p + at + i0 * dp, dp, dv_acc.p, dp);
+            gemm<false>(kTile, kTile, dp, vv.p + j0 * dp, dp, dT.p + at + i0 * dp, kTile, dpt.p,
+                        kTile);
+            for (int64_t r = 0; r < kTile; ++r) {
+              float* ds = dpt.p + r * kTile;
+              const float* p = pt.p + r * kTile;
+              for (int64_t c = 0; c < kTile; ++c) ds[c] = p[c] * (ds[c] - D[i0 + c]);
+              if (P.softcap) {
+                const float* dc = dcap.p + r * kTile;
+                for (int64_t c = 0; c < kTile; ++c) ds[c] *= dc[c];
+              }
+            }
+            gemm<true>(kTile, dp, kTile, dpt.p, kTile, qq.p + at + i0 * dp, dp, dk_acc.p, dp);
+            gemm<true>(dp, kTile, kTile, kT.p + j0 * dp, kTile, dpt.p, kTile, dqT.p + at + i0 * dp,
+                       kTile);
+          }
+        }
+        for (int64_t r = 0; r < std::min(kTile, P.tk - j0); ++r) {
+          T* dkr = dk + ((b * P.tk + j0 + r) * P.hkv + hk) * P.d;
+          T* dvr = dv + ((b * P.tk + j0 + r) * P.hkv + hk) * P.d;
+          for (int64_t c = 0; c < P.d; ++c) {
+            store(dkr, c, dk_acc.p[r * dp + c] * P.scale);
+            store(dvr, c, dv_acc.p[r * dp + c]);
+          }
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        int64_t h = hk * G + g;
+        const float* src = dqT.p + g * tqp * dp;
+        for (int64_t i = 0; i < P.tq; ++i) {
+          T* row = dq + ((b * P.tq + i) * P.hq + h) * P.d;
+          const float* tile = src + i / kTile * kTile * dp + i % kTile;
+          for (int64_t c = 0; c < P.d; ++c) store(row, c, tile[c * kTile] * P.scale);
+        }
+      }
+    }
+  });
+}
+
+// The handlers -----------------------------------------------------------------------------------
+
+// The problem's sizes from q [..., tq, hq, d] and k [..., tk, hkv, d].
+Problem problem(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& q_seg,
+                const ffi::AnyBuffer& kv_seg, const ffi::AnyBuffer& lengths, int32_t causal,
+                int64_t window, float scale, float softcap) {
+  auto qd = q.dimensions(), kd = k.dimensions();
+  size_t r = qd.size();
+  Problem P{};
+  P.batch = 1;
+  for (size_t i = 0; i + 3 < r; ++i) P.batch *= qd[i];
+  P.tq = qd[r - 3];
+  P.hq = qd[r - 2];
+  P.d = qd[r - 1];
+  P.tk = kd[r - 3];
+  P.hkv = kd[r - 2];
+  P.dp = round_up(P.d, kV);
+  P.tqp = round_up(std::max<int64_t>(P.tq, 1), kTile);
+  P.tkp = round_up(std::max<int64_t>(P.tk, 1), kTile);
+  P.causal = causal;
+  P.window = window;
+  P.scale = scale;
+  P.softcap = softcap;
+  P.q_seg = q_seg.element_count() ? static_cast<const int32_t*>(q_seg.untyped_data()) : nullptr;
+  P.kv_seg = P.q_seg ? static_cast<const int32_t*>(kv_seg.untyped_data()) : nullptr;
+  P.lengths = lengths.element_count() ? static_cast<const int32_t*>(lengths.untyped_data())
+                                      : nullptr;
+  return P;
+}
+
+ffi::Error unsupported(ffi::DataType dtype) {
+  return ffi::Error::InvalidArgument("attention (cpu): float32, bfloat16 or float16, got dtype " +
+                                     std::to_string(static_cast<int>(dtype)));
+}
+
+ffi::Error Forward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                   ffi::AnyBuffer q_seg, ffi::AnyBuffer kv_seg, ffi::AnyBuffer lengths,
+                   ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse, int32_t causal,
+                   int64_t window, float scale, float softcap, bool base2) {
+  Problem P = problem(q, k, q_seg, kv_seg, lengths, causal, window, scale, softcap);
+  float* plse = lse->element_count() ? static_cast<float*>(lse->untyped_data()) : nullptr;
+  bool known = with_storage(q.element_type(), [&]<typename T>() {
+    forward(pool, P, static_cast<const T*>(q.untyped_data()),
+            static_cast<const T*>(k.untyped_data()), static_cast<const T*>(v.untyped_data()),
+            static_cast<T*>(o->untyped_data()), plse, base2);
+  });
+  return known ? ffi::Error::Success() : unsupported(q.element_type());
+}
+
+ffi::Error Backward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                    ffi::AnyBuffer q_seg, ffi::AnyBuffer kv_seg, ffi::AnyBuffer lengths,
+                    ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer dout,
+                    ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                    ffi::Result<ffi::AnyBuffer> dv, int32_t causal, int64_t window, float scale,
+                    float softcap, bool base2) {
+  Problem P = problem(q, k, q_seg, kv_seg, lengths, causal, window, scale, softcap);
+  bool known = with_storage(q.element_type(), [&]<typename T>() {
+    backward(pool, P, static_cast<const T*>(q.untyped_data()),
+             static_cast<const T*>(k.untyped_data()), static_cast<const T*>(v.untyped_data()),
+             static_cast<const T*>(o.untyped_data()),
+             static_cast<const float*>(lse.untyped_data()),
+             static_cast<const T*>(dout.untyped_data()), static_cast<T*>(dq->untyped_data()),
+             static_cast<T*>(dk->untyped_data()), static_cast<T*>(dv->untyped_data()), base2);
+  });
+  return known ? ffi::Error::Success() : unsupported(q.element_type());
+}
+
+}  // namespace
+}  // namespace jaxfuse
+
+namespace ffi = xla::ffi;
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxfuse_attention_forward, jaxfuse::Forward,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()   // q
+                                  .Arg<ffi::AnyBuffer>()   // k
+                                  .Arg<ffi::AnyBuffer>()   // v
+                                  .Arg<ffi::AnyBuffer>()   // q segment ids (or empty)
+                                  .Arg<ffi::AnyBuffer>()   // kv segment ids (or empty)
+                                  .Arg<ffi::AnyBuffer>()   // kv lengths (or empty)
+                                  .Ret<ffi::AnyBuffer>()   // o
+                                  .Ret<ffi::AnyBuffer>()   // lse (or empty)
+                                  .Attr<int32_t>("causal")
+                                  .Attr<int64_t>("window")
+                                  .Attr<float>("scale")
+                                  .Attr<float>("softcap")
+                                  .Attr<bool>("base2"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxfuse_attention_backward, jaxfuse::Backward,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()   // q
+                                  .Arg<ffi::AnyBuffer>()   // k
+                                  .Arg<ffi::AnyBuffer>()   // v
+                                  .Arg<ffi::AnyBuffer>()   // q segment ids (or empty)
+                                  .Arg<ffi::AnyBuffer>()   // kv segment ids (or empty)
+                                  .Arg<ffi::AnyBuffer>()   // kv lengths (or empty)
+                                  .Arg<ffi::AnyBuffer>()   // o
+                                  .Arg<ffi::AnyBuffer>()   // lse
+                                  .Arg<ffi::AnyBuffer>()   // do
+                                  .Ret<ffi::AnyBuffer>()   // dq
+                                  .Ret<ffi::AnyBuffer>()   // dk
+                                  .Ret<ffi::AnyBuffer>()   // dv
+                                  .Attr<int32_t>("causal")
+                                  .Attr<int64_t>("window")
+                                  .Attr<float>("scale")
+                                  .Attr<float>("softcap")
+                                  .Attr<bool>("base2"));
