@@ -169,7 +169,7 @@ def test_kinds_come_from_the_kernel_packages():
           os.path.join(kernels_dir, folder, f"{op.kernels}.py"))
       assert (kind.name in op.kinds) == here, (op.name, kind.name)
   assert sorted(name for name, op in base.REGISTRY.items() if "cpu" in op.kinds) == [
-      "add_layer_norm", "add_rms_norm", "glu", "layer_norm", "rms_norm"]
+      "add_layer_norm", "add_rms_norm", "attention", "glu", "layer_norm", "rms_norm"]
 
 
 # Normalization ------------------------------------------------------------------------------------

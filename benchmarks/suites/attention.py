@@ -83,7 +83,7 @@ class _Torch:
 
 # On CPUs the wall time of torch's kernel comes from all cores (OpenMP), and XLA splits only its
 # larger products over them; the CPU seconds per step show each one's efficiency.
-CPU_TIMED = ("torch-sdpa", "jaxfuse-xla")
+CPU_TIMED = ("torch-sdpa", "jaxfuse-xla", "jaxfuse-cpu")
 
 
 def _cpu_time_ms(fn, runs: int = 3) -> float:
@@ -267,6 +267,8 @@ def run(ctx: Context) -> list[Record]:
       kind = harness.kernel_kind(name)
       if kind is not None and kind.interpretable:
         r.set("bytes_moved", harness.step_bytes_moved(fn, args, g), rec.KERNEL_BYTES_SOURCE)
+      elif harness.runs_cpu_kernels(name):
+        pass   # their figures are set with the compiled ones, below
       elif kind is not None:  # the Triton kernels
         r.add_note("bytes_moved null: Triton compiles here (no interpreter to count in)")
       steps[name] = step
@@ -311,6 +313,10 @@ def run(ctx: Context) -> list[Record]:
     for name, step in steps.items():
       ctx.step(f"{case}: {name} compiled figures")
       harness.record_compiled_figures(rows[name], step, args, g)
+      if harness.runs_cpu_kernels(name):
+        harness.record_cpu_kernel_figures(rows[name], candidates[name][0], args, g)
+        rows[name].add_note("the kernels re-read their float32 copies of k and v (forward) and "
+                            "of q and do (backward) tile by tile, from cache: not counted")
   harness.ratio_to_fastest(records, (REFERENCE,))
   return records
 

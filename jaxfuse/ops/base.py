@@ -283,9 +283,10 @@ def kernel_call(kernel: Callable, twin: Callable, *args, rule=None):
 
   @jax.custom_jvp
   def call(*args):
-    if rule is None:
-      return kernel(*args)
-    return partitioning.partitioned_call(kernel, rule, *args)
+    out = kernel(*args) if rule is None else partitioning.partitioned_call(kernel, rule, *args)
+    # Inside shard_map, a kernel's results vary over the manual axes its inputs vary over (an
+    # FFI call's results would otherwise vary over none).
+    return partitioning.vary_like(out, *args)
 
   @call.defjvp
   def call_jvp(primals, tangents):

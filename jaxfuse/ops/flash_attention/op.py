@@ -8,14 +8,18 @@ and exist anyway). The backward recomputes the probabilities tile by tile from `
 ``dk = dsᵀ q · scale``, ``dv = pᵀ do``. Tiles that the causal mask excludes are skipped, not
 masked.
 
-Three implementations share that contract:
+Four implementations share that contract:
 
 - ``"pallas"``: FlashAttention-style kernels for GPUs (:mod:`jaxfuse.kernels.pallas.
   flash_attention`): one forward kernel, one ``dq`` kernel and one ``dk/dv`` kernel, plus a
   ``dbias`` kernel when a bias is given. Tile sizes come from :mod:`.tuning`.
 - ``"triton"``: the same kernels written in Triton and called through jax-triton
   (:mod:`jaxfuse.kernels.triton.flash_attention`), on the same tile sizes.
-- ``"xla"``: the same algorithm in plain ``jax.lax`` for CPUs (:mod:`.xla`).
+- ``"cpu"``: C++ kernels for CPUs called through XLA's FFI (:mod:`jaxfuse.kernels.cpu.
+  flash_attention`): one forward and one backward call, on 64-wide tiles in registers; every
+  option but a bias.
+- ``"xla"``: the same algorithm in plain ``jax.lax`` (:mod:`.xla`), for a bias on CPUs and
+  where there is no C++ compiler.
 
 Layout is ``[batch, seq, heads, head_dim]``, as in :func:`jax.nn.dot_product_attention` and
 flax. Grouped-query attention: ``k`` and ``v`` may have fewer heads than ``q`` (their number
@@ -103,8 +107,9 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool | str = 
       any float dtype. Differentiable.
     sliding_window: with ``causal``, each query sees at most this many keys, itself included.
     logit_softcap: scores become ``c · tanh(scores / c)`` before the bias and the masks.
-    implementation: ``None`` (the fastest here: Pallas on GPUs, XLA on CPUs), ``"pallas"``,
-      ``"triton"`` or ``"xla"``.
+    implementation: ``None`` (the fastest here: Pallas on GPUs, the CPU kernels on CPUs, XLA
+      with a bias or without a C++ compiler), ``"pallas"``, ``"triton"``, ``"cpu"`` or
+      ``"xla"``.
 
   Returns:
     ``[batch, q_len, heads, head_dim]`` in the dtype of ``q``. Rows that see no key are zero.
