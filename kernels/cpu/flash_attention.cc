@@ -120,15 +120,41 @@ void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const fl
   }
 }
 
+// The largest and the sum of a vector's lanes, by halves.
+JAXFUSE_INLINE float lanes_max(v16 x) {
+  typedef float v8 __attribute__((vector_size(32)));
+  typedef float v4 __attribute__((vector_size(16)));
+  v8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7);
+  v8 b = __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+  a = a > b ? a : b;
+  v4 c = __builtin_shufflevector(a, a, 0, 1, 2, 3), d = __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  c = c > d ? c : d;
+  float m = c[0] > c[1] ? c[0] : c[1], n = c[2] > c[3] ? c[2] : c[3];
+  return m > n ? m : n;
+}
+
+JAXFUSE_INLINE float lanes_sum(v16 x) {
+  typedef float v8 __attribute__((vector_size(32)));
+  typedef float v4 __attribute__((vector_size(16)));
+  v8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
+         __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+  v4 c = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (c[0] + c[2]) + (c[1] + c[3]);
+}
+
 JAXFUSE_INLINE float row_max(const float* x) {   // of kTile floats
   v16 m = vload(x);
   for (int64_t v = 1; v < kTile / kV; ++v) {
     v16 y = vload(x + v * kV);
     m = y > m ? y : m;
   }
-  float out = m[0];
-  for (int i = 1; i < kV; ++i) out = m[i] > out ? m[i] : out;
-  return out;
+  return lanes_max(m);
+}
+
+JAXFUSE_INLINE v16 row_vsum(const float* x) {   // of kTile floats, by lanes
+  v16 s = vload(x);
+  for (int64_t v = 1; v < kTile / kV; ++v) s += vload(x + v * kV);
+  return s;
 }
 
 // The problem ------------------------------------------------------------------------------------
@@ -172,22 +198,20 @@ struct Problem {
     return !q_seg && j1 <= kv_len(b) && (!causal || j1 - 1 <= i0 + off) &&
            (!window || j0 > i1 - 1 + off - window);
   }
-  bool visible(int64_t b, int64_t i, int64_t j, int64_t off, int64_t len) const {
-    return j < len && (!causal || j <= i + off) && (!window || j > i + off - window) &&
-           (!q_seg || q_seg[b * tq + i] == kv_seg[b * tk + j]);
-  }
 };
 
-// Copies x[b, t, h, :] (t < rows) into dst, times `factor`: as rows [tpad][dp], or transposed
-// tile by tile, [tpad / kTile][dp][kTile] (a tile's transpose contiguous: its rows 256 bytes
-// apart, not the whole length apart, which would put them in one L1 set). Both layouts put tile
-// t0's data at dst + t0 * dp. The padding stays zero.
+// Copies rows [first, first + count) of x[b, :, h, :] (rows past `rows` are zero) into dst,
+// times `factor`: as rows [count][dp], or transposed tile by tile, [count / kTile][dp][kTile]
+// (a tile's transpose contiguous: its rows 256 bytes apart, not the whole length apart, which
+// would put them in one L1 set). Both layouts put the tile of row first + t0 at dst + t0 * dp.
 template <typename T>
-void copy_head(const T* x, int64_t b, int64_t rows, int64_t heads, int64_t h, int64_t d,
-               int64_t dp, int64_t tpad, float factor, bool transpose, float* dst) {
+void copy_head(const T* x, int64_t b, int64_t first, int64_t count, int64_t rows,
+               int64_t heads, int64_t h, int64_t d, int64_t dp, float factor, bool transpose,
+               float* dst) {
+  std::memset(dst, 0, count * dp * sizeof(float));
   const T* base = x + (b * rows * heads + h) * d;
-  for (int64_t t = 0; t < rows; ++t) {
-    const T* row = base + t * heads * d;
+  for (int64_t t = 0; t < std::min(count, rows - first); ++t) {
+    const T* row = base + (first + t) * heads * d;
     if (transpose) {
       float* tile = dst + t / kTile * kTile * dp + t % kTile;
       for (int64_t c = 0; c < d; ++c) tile[c * kTile] = load(row, c) * factor;
@@ -197,15 +221,36 @@ void copy_head(const T* x, int64_t b, int64_t rows, int64_t heads, int64_t h, in
   }
 }
 
-// Sets the masked scores of a tile (rows: queries from i0, columns: keys from j0; transposed:
-// rows keys, columns queries) to -inf.
+// Sets the masked scores of a tile to -inf: rows are queries from i0 and columns keys from j0
+// (transposed: rows keys, columns queries). The causal, window and length masks leave each row
+// one interval of columns; segment ids are compared within it.
 void mask_tile(const Problem& P, int64_t b, int64_t i0, int64_t j0, bool transposed, float* s) {
-  int64_t off = P.offset(b), len = P.kv_len(b);
-  for (int64_t r = 0; r < kTile; ++r)
-    for (int64_t c = 0; c < kTile; ++c) {
-      int64_t i = i0 + (transposed ? c : r), j = j0 + (transposed ? r : c);
-      if (i >= P.tq || !P.visible(b, i, j, off, len)) s[r * kTile + c] = -kInf;
+  const int64_t off = P.offset(b), len = P.kv_len(b);
+  for (int64_t r = 0; r < kTile; ++r) {
+    int64_t lo, hi;   // the visible columns
+    if (!transposed) {
+      int64_t i = i0 + r;
+      lo = (P.window ? i + off - P.window + 1 : 0) - j0;
+      hi = (P.causal ? std::min(len, i + off + 1) : len) - j0;
+      if (i >= P.tq) lo = hi = kTile;
+    } else {
+      int64_t j = j0 + r;
+      lo = (P.causal ? j - off : 0) - i0;
+      hi = (P.window ? std::min(P.tq, j - off + P.window) : P.tq) - i0;
+      if (j >= len) lo = hi = kTile;
     }
+    lo = std::clamp<int64_t>(lo, 0, kTile);
+    hi = std::clamp<int64_t>(hi, lo, kTile);
+    float* row = s + r * kTile;
+    for (int64_t c = 0; c < lo; ++c) row[c] = -kInf;
+    for (int64_t c = hi; c < kTile; ++c) row[c] = -kInf;
+    if (P.q_seg) {
+      for (int64_t c = lo; c < hi; ++c) {
+        int64_t i = i0 + (transposed ? c : r), j = j0 + (transposed ? r : c);
+        if (P.q_seg[b * P.tq + i] != P.kv_seg[b * P.tk + j]) row[c] = -kInf;
+      }
+    }
+  }
 }
 
 // Scores s (scaled, natural units) to capped base-2 scores; keeps 1 - tanh² for the backward.
@@ -235,16 +280,16 @@ void forward(ffi::ThreadPool& pool, const Problem& P, const T* q, const T* k, co
       for (int64_t p = lo; p < hi; ++p) {
         int64_t b = (first + p) / P.hkv, h = (first + p) % P.hkv;
         float* buf = kt.p + p * pair_floats;
-        std::memset(buf, 0, pair_floats * sizeof(float));
-        copy_head(k, b, P.tk, P.hkv, h, P.d, dp, P.tkp, 1.0f, true, buf);
-        copy_head(v, b, P.tk, P.hkv, h, P.d, dp, P.tkp, 1.0f, false, buf + P.tkp * dp);
+        copy_head(k, b, 0, P.tkp, P.tk, P.hkv, h, P.d, dp, 1.0f, true, buf);
+        copy_head(v, b, 0, P.tkp, P.tk, P.hkv, h, P.d, dp, 1.0f, false, buf + P.tkp * dp);
       }
     });
     // Items: (pair, query head of its group, query tile), the costliest (last) tiles first.
     const int64_t items = count * G * tiles;
     parallel_chunks(pool, items, items, [&](int64_t, int64_t lo, int64_t hi) {
       Floats qtile(kTile * dp), acc(kTile * dp), s(kTile * kTile);
-      float m[kTile], l[kTile];
+      float m[kTile];
+      v16 l[kTile];   // each row's sum, by lanes (summed across them at the end)
       for (int64_t item = lo; item < hi; ++item) {
         int64_t tile = tiles - 1 - item % tiles, rest = item / tiles;
         int64_t g = rest % G, p = rest / G;
@@ -258,7 +303,7 @@ void forward(ffi::ThreadPool& pool, const Problem& P, const T* q, const T* k, co
           for (int64_t c = 0; c < P.d; ++c)
             qtile.p[r * dp + c] = load(qrow + r * P.hq * P.d, c) * qscale;
         std::memset(acc.p, 0, kTile * dp * sizeof(float));
-        for (int64_t r = 0; r < kTile; ++r) { m[r] = -kInf; l[r] = 0.0f; }
+        for (int64_t r = 0; r < kTile; ++r) { m[r] = -kInf; l[r] = v16{}; }
         int64_t klo, khi;
         P.key_range(b, i0, i1, klo, khi);
         for (int64_t j0 = klo / kTile * kTile; j0 < khi; j0 += kTile) {
@@ -271,7 +316,7 @@ void forward(ffi::ThreadPool& pool, const Problem& P, const T* q, const T* k, co
             float safe = mnew == -kInf ? 0.0f : mnew;
             float alpha = exp2_f(m[r] - safe);
             for (int64_t c = 0; c < kTile; ++c) row[c] = exp2_f(row[c] - safe);
-            l[r] = l[r] * alpha + row_sum(row, kTile);
+            l[r] = l[r] * alpha + row_vsum(row);
             m[r] = mnew;
             if (alpha != 1.0f) {
               float* a = acc.p + r * dp;
@@ -282,10 +327,11 @@ void forward(ffi::ThreadPool& pool, const Problem& P, const T* q, const T* k, co
         }
         for (int64_t r = 0; r < i1 - i0; ++r) {
           T* out = o + ((b * P.tq + i0 + r) * P.hq + h) * P.d;
-          float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+          float sum = lanes_sum(l[r]);
+          float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
           for (int64_t c = 0; c < P.d; ++c) store(out, c, acc.p[r * dp + c] * inv);
           if (lse) {
-            float value = l[r] > 0.0f ? m[r] + std::log2(l[r]) : kInf;
+            float value = sum > 0.0f ? m[r] + std::log2(sum) : kInf;
             lse[(b * P.hq + h) * P.tq + i0 + r] = base2 ? value : value * kLn2;
           }
         }
@@ -296,101 +342,152 @@ void forward(ffi::ThreadPool& pool, const Problem& P, const T* q, const T* k, co
 
 // Backward ---------------------------------------------------------------------------------------
 
+// dq[b, :, h, :] = scale times the sum of `count` shares of dqᵀ, each tile by tile
+// [tqp / kTile][dp][kTile].
+template <typename T>
+void store_dq(const Problem& P, int64_t b, int64_t h, const float* const* shares, int64_t count,
+              T* dq) {
+  for (int64_t i = 0; i < P.tq; ++i) {
+    T* row = dq + ((b * P.tq + i) * P.hq + h) * P.d;
+    const int64_t at = i / kTile * kTile * P.dp + i % kTile;
+    for (int64_t c = 0; c < P.d; ++c) {
+      float sum = 0.0f;
+      for (int64_t s = 0; s < count; ++s) sum += shares[s][at + c * kTile];
+      store(row, c, sum * P.scale);
+    }
+  }
+}
+
+// The key tiles [first, last) of segment s of `segments` for batch b: contiguous, of about
+// equal work (the query tiles each one meets, plus one).
+void segment_tiles(const Problem& P, int64_t b, int64_t s, int64_t segments, int64_t& first,
+                   int64_t& last) {
+  const int64_t n = P.tkp / kTile;
+  if (segments == 1) { first = 0; last = n; return; }
+  std::unique_ptr<int64_t[]> work(new int64_t[n + 1]);
+  work[0] = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    int64_t lo, hi;
+    P.query_range(b, j * kTile, std::min(P.tk, (j + 1) * kTile), lo, hi);
+    work[j + 1] = work[j] + 1 + (hi > lo ? (hi + kTile - 1) / kTile - lo / kTile : 0);
+  }
+  auto boundary = [&](int64_t k) {
+    int64_t j = 0;
+    while (j < n && work[j] * segments < work[n] * k) ++j;
+    return j;
+  };
+  first = boundary(s);
+  last = boundary(s + 1);
+}
+
 template <typename T>
 void backward(ffi::ThreadPool& pool, const Problem& P, const T* q, const T* k, const T* v,
               const T* o, const float* lse, const T* dout, T* dq, T* dk, T* dv, bool base2) {
-  const int64_t G = P.group(), dp = P.dp, tqp = P.tqp, tkp = P.tkp;
+  const int64_t G = P.group(), dp = P.dp, tqp = P.tqp;
   const float qscale = P.softcap ? P.scale : P.scale * kLog2e;
-  const int64_t pairs = P.batch * P.hkv;
-  parallel_chunks(pool, pairs, pairs, [&](int64_t, int64_t lo, int64_t hi) {
-    // Per kv head: k, kᵀ, v; per query head of the group: q, scaled qᵀ, do, doᵀ, dqᵀ, lse,
-    // delta.
-    Floats kk(tkp * dp), kT(dp * tkp), vv(tkp * dp);
-    Floats qq(G * tqp * dp), qT(G * dp * tqp), dd(G * tqp * dp), dT(G * dp * tqp),
-        dqT(G * dp * tqp), ls(G * tqp), delta(G * tqp);
-    Floats dk_acc(kTile * dp), dv_acc(kTile * dp), pt(kTile * kTile), dpt(kTile * kTile),
-        dcap(P.softcap ? kTile * kTile : 1);
-    for (int64_t pair = lo; pair < hi; ++pair) {
-      int64_t b = pair / P.hkv, hk = pair % P.hkv;
-      for (Floats* f : {&kk, &kT, &vv, &qq, &qT, &dd, &dT, &dqT})
-        std::memset(f->p, 0, (f == &kk || f == &kT || f == &vv ? tkp : G * tqp) * dp * 4);
-      copy_head(k, b, P.tk, P.hkv, hk, P.d, dp, tkp, 1.0f, false, kk.p);
-      copy_head(k, b, P.tk, P.hkv, hk, P.d, dp, tkp, 1.0f, true, kT.p);
-      copy_head(v, b, P.tk, P.hkv, hk, P.d, dp, tkp, 1.0f, false, vv.p);
+  const int64_t pairs = P.batch * P.hkv, head_floats = tqp * dp;
+  // Items: (batch, kv head, segment of its key tiles). With fewer (batch, kv head) pairs than
+  // two per thread, each pair's key tiles are split into segments, each summing its own share
+  // of dq (at most 256 MiB of them), added up at the end.
+  const int64_t workers = std::max<int64_t>(1, pool.num_threads());
+  int64_t segments = std::clamp<int64_t>((2 * workers + pairs - 1) / pairs, 1, P.tkp / kTile);
+  segments = std::min(segments,
+                      std::max<int64_t>(1, (int64_t{1} << 26) / (pairs * G * head_floats)));
+  Floats partial(segments > 1 ? pairs * segments * G * head_floats : 0);
+  const int64_t items = pairs * segments;
+  parallel_chunks(pool, items, items, [&](int64_t, int64_t lo, int64_t hi) {
+    // Per query head: q, scaled qᵀ, do, doᵀ, its lse and delta, and dqᵀ (when not a segment's).
+    Floats qq(head_floats), qT(head_floats), dd(head_floats), dT(head_floats), ls(tqp),
+        delta(tqp), own_dq(segments == 1 ? head_floats : 0);
+    Floats pt(kTile * kTile), dpt(kTile * kTile), dcap(P.softcap ? kTile * kTile : 0);
+    for (int64_t item = lo; item < hi; ++item) {
+      const int64_t pair = item / segments, seg = item % segments;
+      const int64_t b = pair / P.hkv, hk = pair % P.hkv;
+      int64_t t0, t1;
+      segment_tiles(P, b, seg, segments, t0, t1);
+      if (t0 == t1) continue;
+      const int64_t j_lo = t0 * kTile, rows = (t1 - t0) * kTile;
+      // This segment's keys: k, kᵀ, v, and its dk and dv.
+      Floats kk(rows * dp), kT(rows * dp), vv(rows * dp), dk_acc(rows * dp), dv_acc(rows * dp);
+      copy_head(k, b, j_lo, rows, P.tk, P.hkv, hk, P.d, dp, 1.0f, false, kk.p);
+      copy_head(k, b, j_lo, rows, P.tk, P.hkv, hk, P.d, dp, 1.0f, true, kT.p);
+      copy_head(v, b, j_lo, rows, P.tk, P.hkv, hk, P.d, dp, 1.0f, false, vv.p);
       for (int64_t g = 0; g < G; ++g) {
-        int64_t h = hk * G + g, at = g * tqp * dp;
-        copy_head(q, b, P.tq, P.hq, h, P.d, dp, tqp, 1.0f, false, qq.p + at);
-        copy_head(q, b, P.tq, P.hq, h, P.d, dp, tqp, qscale, true, qT.p + at);
-        copy_head(dout, b, P.tq, P.hq, h, P.d, dp, tqp, 1.0f, false, dd.p + at);
-        copy_head(dout, b, P.tq, P.hq, h, P.d, dp, tqp, 1.0f, true, dT.p + at);
+        const int64_t h = hk * G + g;
+        copy_head(q, b, 0, tqp, P.tq, P.hq, h, P.d, dp, 1.0f, false, qq.p);
+        copy_head(q, b, 0, tqp, P.tq, P.hq, h, P.d, dp, qscale, true, qT.p);
+        copy_head(dout, b, 0, tqp, P.tq, P.hq, h, P.d, dp, 1.0f, false, dd.p);
+        copy_head(dout, b, 0, tqp, P.tq, P.hq, h, P.d, dp, 1.0f, true, dT.p);
         for (int64_t i = 0; i < tqp; ++i) {
-          float* L = ls.p + g * tqp;
-          float* D = delta.p + g * tqp;
-          if (i >= P.tq) { L[i] = kInf; D[i] = 0.0f; continue; }
+          if (i >= P.tq) { ls.p[i] = kInf; delta.p[i] = 0.0f; continue; }
           float x = lse[(b * P.hq + h) * P.tq + i];
-          L[i] = base2 ? x : x * kLog2e;
+          ls.p[i] = base2 ? x : x * kLog2e;
           const T* orow = o + ((b * P.tq + i) * P.hq + h) * P.d;
-          const float* drow = dd.p + at + i * dp;
+          const float* drow = dd.p + i * dp;
           float sum = 0.0f;
           for (int64_t c = 0; c < P.d; ++c) sum += load(orow, c) * drow[c];
-          D[i] = sum;
+          delta.p[i] = sum;
         }
-      }
-      for (int64_t j0 = 0; j0 < P.tk; j0 += kTile) {
-        std::memset(dk_acc.p, 0, kTile * dp * 4);
-        std::memset(dv_acc.p, 0, kTile * dp * 4);
-        int64_t qlo, qhi;
-        P.query_range(b, j0, std::min(P.tk, j0 + kTile), qlo, qhi);
-        for (int64_t g = 0; g < G; ++g) {
-          int64_t at = g * tqp * dp;
-          const float* L = ls.p + g * tqp;
-          const float* D = delta.p + g * tqp;
+        float* dqT = segments == 1 ? own_dq.p
+                                   : partial.p + ((pair * segments + seg) * G + g) * head_floats;
+        if (segments == 1) std::memset(dqT, 0, head_floats * sizeof(float));
+        for (int64_t j0 = j_lo; j0 < std::min(P.tk, j_lo + rows); j0 += kTile) {
+          const int64_t at = (j0 - j_lo) * dp;
+          int64_t qlo, qhi;
+          P.query_range(b, j0, std::min(P.tk, j0 + kTile), qlo, qhi);
           for (int64_t i0 = qlo / kTile * kTile; i0 < qhi; i0 += kTile) {
-            int64_t i1 = std::min(P.tq, i0 + kTile);
+            const int64_t i1 = std::min(P.tq, i0 + kTile);
+            const float* L = ls.p + i0;
+            const float* D = delta.p + i0;
             // sᵀ = k_j (scaled q_i)ᵀ, then pᵀ.
-            gemm<false>(kTile, kTile, dp, kk.p + j0 * dp, dp, qT.p + at + i0 * dp, kTile, pt.p,
-                        kTile);
+            gemm<false>(kTile, kTile, dp, kk.p + at, dp, qT.p + i0 * dp, kTile, pt.p, kTile);
             if (P.softcap) cap_tile(P.softcap, pt.p, dcap.p);
             if (!P.all_visible(b, i0, i1, j0)) mask_tile(P, b, i0, j0, true, pt.p);
             for (int64_t r = 0; r < kTile; ++r) {
               float* row = pt.p + r * kTile;
-              for (int64_t c = 0; c < kTile; ++c) row[c] = exp2_f(row[c] - L[i0 + c]);
+              for (int64_t c = 0; c < kTile; ++c) row[c] = exp2_f(row[c] - L[c]);
             }
-            gemm<true>(kTile, dp, kTile, pt.p, kTile, dd.p + at + i0 * dp, dp, dv_acc.p, dp);
-            gemm<false>(kTile, kTile, dp, vv.p + j0 * dp, dp, dT.p + at + i0 * dp, kTile, dpt.p,
-                        kTile);
+            gemm<true>(kTile, dp, kTile, pt.p, kTile, dd.p + i0 * dp, dp, dv_acc.p + at, dp);
+            // dpᵀ = v_j doᵀ_i, then dsᵀ = pᵀ (dpᵀ - delta) (times the cap's derivative).
+            gemm<false>(kTile, kTile, dp, vv.p + at, dp, dT.p + i0 * dp, kTile, dpt.p, kTile);
             for (int64_t r = 0; r < kTile; ++r) {
               float* ds = dpt.p + r * kTile;
               const float* p = pt.p + r * kTile;
-              for (int64_t c = 0; c < kTile; ++c) ds[c] = p[c] * (ds[c] - D[i0 + c]);
+              for (int64_t c = 0; c < kTile; ++c) ds[c] = p[c] * (ds[c] - D[c]);
               if (P.softcap) {
                 const float* dc = dcap.p + r * kTile;
                 for (int64_t c = 0; c < kTile; ++c) ds[c] *= dc[c];
               }
             }
-            gemm<true>(kTile, dp, kTile, dpt.p, kTile, qq.p + at + i0 * dp, dp, dk_acc.p, dp);
-            gemm<true>(dp, kTile, kTile, kT.p + j0 * dp, kTile, dpt.p, kTile, dqT.p + at + i0 * dp,
-                       kTile);
+            gemm<true>(kTile, dp, kTile, dpt.p, kTile, qq.p + i0 * dp, dp, dk_acc.p + at, dp);
+            gemm<true>(dp, kTile, kTile, kT.p + at, kTile, dpt.p, kTile, dqT + i0 * dp, kTile);
           }
         }
-        for (int64_t r = 0; r < std::min(kTile, P.tk - j0); ++r) {
-          T* dkr = dk + ((b * P.tk + j0 + r) * P.hkv + hk) * P.d;
-          T* dvr = dv + ((b * P.tk + j0 + r) * P.hkv + hk) * P.d;
-          for (int64_t c = 0; c < P.d; ++c) {
-            store(dkr, c, dk_acc.p[r * dp + c] * P.scale);
-            store(dvr, c, dv_acc.p[r * dp + c]);
-          }
+        if (segments == 1) {
+          const float* share = dqT;
+          store_dq(P, b, h, &share, 1, dq);
         }
       }
-      for (int64_t g = 0; g < G; ++g) {
-        int64_t h = hk * G + g;
-        const float* src = dqT.p + g * tqp * dp;
-        for (int64_t i = 0; i < P.tq; ++i) {
-          T* row = dq + ((b * P.tq + i) * P.hq + h) * P.d;
-          const float* tile = src + i / kTile * kTile * dp + i % kTile;
-          for (int64_t c = 0; c < P.d; ++c) store(row, c, tile[c * kTile] * P.scale);
+      for (int64_t r = 0; r < std::min(rows, P.tk - j_lo); ++r) {
+        T* dkr = dk + ((b * P.tk + j_lo + r) * P.hkv + hk) * P.d;
+        T* dvr = dv + ((b * P.tk + j_lo + r) * P.hkv + hk) * P.d;
+        for (int64_t c = 0; c < P.d; ++c) {
+          store(dkr, c, dk_acc.p[r * dp + c] * P.scale);
+          store(dvr, c, dv_acc.p[r * dp + c]);
         }
       }
+    }
+  });
+  if (segments == 1) return;
+  // dq: the segments' shares added up, per (pair, query head).
+  parallel_chunks(pool, pairs * G, pairs * G, [&](int64_t, int64_t lo, int64_t hi) {
+    std::unique_ptr<const float*[]> parts(new const float*[segments]);
+    for (int64_t item = lo; item < hi; ++item) {
+      const int64_t pair = item / G, g = item % G;
+      const int64_t b = pair / P.hkv, h = pair % P.hkv * G + g;
+      for (int64_t s = 0; s < segments; ++s)
+        parts[s] = partial.p + ((pair * segments + s) * G + g) * head_floats;
+      store_dq(P, b, h, parts.get(), segments, dq);
     }
   });
 }
