@@ -316,7 +316,10 @@ def run(ctx: Context) -> list[Record]:
       if harness.runs_cpu_kernels(name):
         harness.record_cpu_kernel_figures(rows[name], candidates[name][0], args, g)
         rows[name].add_note("the kernels re-read their float32 copies of k and v (forward) and "
-                            "of q and do (backward) tile by tile, from cache: not counted")
+                            "of q and do (backward) tile by tile, from cache: not counted; "
+                            "those copies are the kernels' own allocations, outside XLA's "
+                            "temp_bytes (forward: k and v, backward: one head's q, do and dq "
+                            "per thread, in float32)")
   harness.ratio_to_fastest(records, (REFERENCE,))
   return records
 
