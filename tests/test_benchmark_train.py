@@ -20,7 +20,7 @@ torch = pytest.importorskip("torch")
 SHAPE = train.Shape(vocab=300, d_model=32, layers=2, heads=4, kv_heads=2, mlp=64, batch=2,
                     seq=16)
 CURVE_STEPS = 4
-TIMES = {"jaxfuse-xla": 2.0, "jax-unfused": 4.0, "torch-eager": 5.0}
+TIMES = {"jaxfuse": 1.5, "jaxfuse-xla": 2.0, "jax-unfused": 4.0, "torch-eager": 5.0}
 STEP0_RTOL = 1e-5
 FixedTimes = fixed_times(TIMES)
 
@@ -58,7 +58,7 @@ def test_figures_and_their_sources(records):
       if getattr(r, field) is not None:
         assert field in r.sources, (r.impl, field)
     assert set(r.sources) <= set(FIGURES), r.sources
-  for name in ("jaxfuse-xla", "jax-unfused"):
+  for name in ("jaxfuse", "jaxfuse-xla", "jax-unfused"):
     r = rows[name]
     assert r.temp_bytes > 0 and "temp bytes" in r.sources["temp_bytes"]
     assert "jax.vjp residuals" in r.sources["residual_bytes"]
@@ -67,12 +67,15 @@ def test_figures_and_their_sources(records):
   assert "autograd saved tensors" in eager.sources["residual_bytes"]
   # The fused decoder keeps neither attention scores nor logits for its backward.
   assert rows["jaxfuse-xla"].residual_bytes < rows["jax-unfused"].residual_bytes
+  # The default implementations keep what the XLA ones keep.
+  assert rows["jaxfuse"].residual_bytes == rows["jaxfuse-xla"].residual_bytes
 
 
 def test_ratios_to_the_baseline_and_torch_in_the_note(records):
   rows = _by_impl(records)
   assert {r.ratio_to for r in records if r.time_ms} == {"jax-unfused"}
   assert rows["jaxfuse-xla"].ratio == pytest.approx(0.5)
+  assert rows["jaxfuse"].ratio == pytest.approx(0.375)
   assert rows["torch-eager"].ratio == pytest.approx(1.25)
   assert "time / torch-eager = 0.40" in rows["jaxfuse-xla"].note
   assert "16000 tokens/s (32 tokens/step)" in rows["jaxfuse-xla"].note

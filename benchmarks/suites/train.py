@@ -9,6 +9,9 @@ the ``mixtral-like`` case replaces each block's MLP by a Mixture of Experts (8 S
 width 768, half the dense MLP's, top 2, renormalized, dropless: about the dense case's active
 MLP FLOPs per token). Rows:
 
+- ``jaxfuse``: ``Decoder(cfg, fused=True)``, ``implementation=None``: each op's first choice
+  on this platform, what a model gets by default (on CPUs the C++ kernels of attention and of
+  the gated MLP's glu, XLA's formulas for the rest; on GPUs the Pallas kernels).
 - ``jaxfuse-xla``: ``Decoder(cfg, fused=True, implementation="xla")``: fused residual add +
   RMSNorm, attention that keeps its output and log-sum-exp (never the scores), a gated MLP that
   recomputes its hidden activation, the fused linear cross-entropy head (no ``[tokens, V]``
@@ -73,7 +76,9 @@ SUITE = "train"
 BASELINE = "jax-unfused"
 TORCH = "torch-eager"
 REFERENCE = "hf-float64"
-IMPLS = ("jaxfuse-xla", BASELINE, TORCH, "torch-compile")
+IMPLS = ("jaxfuse", "jaxfuse-xla", BASELINE, TORCH, "torch-compile")
+# The fused decoder's rows: their ``implementation``.
+FUSED = {"jaxfuse": None, "jaxfuse-xla": "xla"}
 # The rows whose losses are drawn, over CURVE_STEPS steps on the same batches.
 CURVE_IMPLS = ("jaxfuse-xla", BASELINE, TORCH)
 CURVE_STEPS = 20
@@ -359,6 +364,9 @@ def case_records(ctx, shape: Shape, *, impls: Sequence[str] = IMPLS,
       continue
     if name == "jaxfuse-xla":
       jax_model = model
+    elif name in FUSED:
+      jax_model = nnx.eval_shape(lambda name=name: Decoder(
+          cfg, fused=True, implementation=FUSED[name], rngs=nnx.Rngs(SEED)))
     elif name == BASELINE:
       jax_model = nnx.eval_shape(lambda: Decoder(cfg, fused=False, rngs=nnx.Rngs(SEED)))
     else:
@@ -474,7 +482,7 @@ def run(ctx) -> list[Record]:
     # next one's (the three cases together outgrow a 24 GB machine otherwise).
     # The families' cases compare with HF eager and the baseline (torch.compile of each family
     # would hold its compiled graphs beside three more models).
-    impls = IMPLS if shape.family == QUICK.family else CURVE_IMPLS
+    impls = IMPLS if shape.family == QUICK.family else ("jaxfuse", *CURVE_IMPLS)
     records += harness.in_fresh_process(case_records, ctx, shape, impls=impls)
   return records
 
