@@ -8,9 +8,13 @@
 //
 // Forward, per query tile: s = q kᵀ tile by tile with the online softmax (running max m, sum
 // l, output o rescaled as m grows); it writes o / l and lse = m + log2(l).
-// Backward, per (batch, kv head), per key tile j, per query head of the group, per query tile
-// i: sᵀ = k qᵀ, pᵀ = exp2(sᵀ - lse), dv_j += pᵀ do, dpᵀ = v doᵀ, dsᵀ = pᵀ (dpᵀ - delta),
-// dk_j += dsᵀ q, dqᵀ_i += kᵀ dsᵀ (all in the transposed frame, so no tile is transposed).
+// Backward, per (batch, kv head) and segment of its key tiles, per query head of the group, per
+// key tile j, per query tile i: sᵀ = k qᵀ, pᵀ = exp2(sᵀ - lse), dv_j += pᵀ do, dpᵀ = v doᵀ,
+// dsᵀ = pᵀ (dpᵀ - delta), dk_j += dsᵀ q, dqᵀ_i += kᵀ dsᵀ (all in the transposed frame, so no
+// tile is transposed).
+//
+// The copies are the kernels' own allocations (not XLA's): where one fails, the call returns a
+// resource-exhausted error.
 #include <cmath>
 #include <cstdlib>
 #include <limits>
@@ -31,18 +35,22 @@ constexpr float kInf = std::numeric_limits<float>::infinity();
 JAXFUSE_INLINE v16 vload(const float* p) { v16 v; std::memcpy(&v, p, sizeof v); return v; }
 JAXFUSE_INLINE void vstore(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
 
-// A zeroed float32 buffer aligned to 64 bytes.
+// A zeroed float32 buffer aligned to 64 bytes (p is null where the allocation failed).
 struct Floats {
   float* p = nullptr;
   explicit Floats(int64_t n) {
     size_t bytes = ((static_cast<size_t>(std::max<int64_t>(n, 1)) * 4 + 63) / 64) * 64;
     p = static_cast<float*>(std::aligned_alloc(64, bytes));
-    std::memset(p, 0, bytes);
+    if (p) std::memset(p, 0, bytes);
   }
   ~Floats() { std::free(p); }
   Floats(const Floats&) = delete;
   Floats& operator=(const Floats&) = delete;
 };
+
+// Whether every buffer was allocated.
+template <typename... Buffers>
+bool allocated(const Buffers&... buffers) { return ((buffers.p != nullptr) && ...); }
 
 JAXFUSE_INLINE int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
@@ -264,8 +272,9 @@ void cap_tile(float softcap, float* s, float* dcap) {
 
 // Forward ----------------------------------------------------------------------------------------
 
+// False where an allocation failed.
 template <typename T>
-void forward(ffi::ThreadPool& pool, const Problem& P, const T* q, const T* k, const T* v, T* o,
+bool forward(ffi::ThreadPool& pool, const Problem& P, const T* q, const T* k, const T* v, T* o,
              float* lse, bool base2) {
   const int64_t G = P.group(), dp = P.dp, tiles = P.tqp / kTile;
   const float qscale = P.softcap ? P.scale : P.scale * kLog2e;
@@ -273,8 +282,10 @@ void forward(ffi::ThreadPool& pool, const Problem& P, const T* q, const T* k, co
   const int64_t pair_floats = 2 * P.tkp * dp;
   const int64_t pairs = P.batch * P.hkv;
   const int64_t per_round = std::clamp<int64_t>((int64_t{16} << 20) / pair_floats, 1, pairs);
-  Floats kt(per_round * pair_floats);   // per pair: kᵀ [dp][tkp], then v [tkp][dp]
-  for (int64_t first = 0; first < pairs; first += per_round) {
+  Floats kt(per_round * pair_floats);   // per pair: kᵀ tile by tile, then v [tkp][dp]
+  if (!allocated(kt)) return false;
+  std::atomic<bool> failed{false};
+  for (int64_t first = 0; first < pairs && !failed; first += per_round) {
     const int64_t count = std::min(per_round, pairs - first);
     parallel_chunks(pool, count, count, [&](int64_t, int64_t lo, int64_t hi) {
       for (int64_t p = lo; p < hi; ++p) {
@@ -288,6 +299,7 @@ void forward(ffi::ThreadPool& pool, const Problem& P, const T* q, const T* k, co
     const int64_t items = count * G * tiles;
     parallel_chunks(pool, items, items, [&](int64_t, int64_t lo, int64_t hi) {
       Floats qtile(kTile * dp), acc(kTile * dp), s(kTile * kTile);
+      if (!allocated(qtile, acc, s)) { failed = true; return; }
       float m[kTile];
       v16 l[kTile];   // each row's sum, by lanes (summed across them at the end)
       for (int64_t item = lo; item < hi; ++item) {
@@ -338,6 +350,7 @@ void forward(ffi::ThreadPool& pool, const Problem& P, const T* q, const T* k, co
       }
     });
   }
+  return !failed;
 }
 
 // Backward ---------------------------------------------------------------------------------------
@@ -380,8 +393,9 @@ void segment_tiles(const Problem& P, int64_t b, int64_t s, int64_t segments, int
   last = boundary(s + 1);
 }
 
+// False where an allocation failed.
 template <typename T>
-void backward(ffi::ThreadPool& pool, const Problem& P, const T* q, const T* k, const T* v,
+bool backward(ffi::ThreadPool& pool, const Problem& P, const T* q, const T* k, const T* v,
               const T* o, const float* lse, const T* dout, T* dq, T* dk, T* dv, bool base2) {
   const int64_t G = P.group(), dp = P.dp, tqp = P.tqp;
   const float qscale = P.softcap ? P.scale : P.scale * kLog2e;
@@ -394,12 +408,15 @@ void backward(ffi::ThreadPool& pool, const Problem& P, const T* q, const T* k, c
   segments = std::min(segments,
                       std::max<int64_t>(1, (int64_t{1} << 26) / (pairs * G * head_floats)));
   Floats partial(segments > 1 ? pairs * segments * G * head_floats : 0);
+  if (!allocated(partial)) return false;
+  std::atomic<bool> failed{false};
   const int64_t items = pairs * segments;
   parallel_chunks(pool, items, items, [&](int64_t, int64_t lo, int64_t hi) {
     // Per query head: q, scaled qᵀ, do, doᵀ, its lse and delta, and dqᵀ (when not a segment's).
     Floats qq(head_floats), qT(head_floats), dd(head_floats), dT(head_floats), ls(tqp),
         delta(tqp), own_dq(segments == 1 ? head_floats : 0);
     Floats pt(kTile * kTile), dpt(kTile * kTile), dcap(P.softcap ? kTile * kTile : 0);
+    if (!allocated(qq, qT, dd, dT, ls, delta, own_dq, pt, dpt, dcap)) { failed = true; return; }
     for (int64_t item = lo; item < hi; ++item) {
       const int64_t pair = item / segments, seg = item % segments;
       const int64_t b = pair / P.hkv, hk = pair % P.hkv;
@@ -409,6 +426,7 @@ void backward(ffi::ThreadPool& pool, const Problem& P, const T* q, const T* k, c
       const int64_t j_lo = t0 * kTile, rows = (t1 - t0) * kTile;
       // This segment's keys: k, kᵀ, v, and its dk and dv.
       Floats kk(rows * dp), kT(rows * dp), vv(rows * dp), dk_acc(rows * dp), dv_acc(rows * dp);
+      if (!allocated(kk, kT, vv, dk_acc, dv_acc)) { failed = true; return; }
       copy_head(k, b, j_lo, rows, P.tk, P.hkv, hk, P.d, dp, 1.0f, false, kk.p);
       copy_head(k, b, j_lo, rows, P.tk, P.hkv, hk, P.d, dp, 1.0f, true, kT.p);
       copy_head(v, b, j_lo, rows, P.tk, P.hkv, hk, P.d, dp, 1.0f, false, vv.p);
@@ -478,7 +496,8 @@ void backward(ffi::ThreadPool& pool, const Problem& P, const T* q, const T* k, c
       }
     }
   });
-  if (segments == 1) return;
+  if (failed) return false;
+  if (segments == 1) return true;
   // dq: the segments' shares added up, per (pair, query head).
   parallel_chunks(pool, pairs * G, pairs * G, [&](int64_t, int64_t lo, int64_t hi) {
     std::unique_ptr<const float*[]> parts(new const float*[segments]);
@@ -490,6 +509,7 @@ void backward(ffi::ThreadPool& pool, const Problem& P, const T* q, const T* k, c
       store_dq(P, b, h, parts.get(), segments, dq);
     }
   });
+  return true;
 }
 
 // The handlers -----------------------------------------------------------------------------------
@@ -522,6 +542,11 @@ Problem problem(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::Any
   return P;
 }
 
+ffi::Error out_of_memory() {
+  return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                    "attention (cpu): out of memory for the kernels' float32 copies");
+}
+
 ffi::Error unsupported(ffi::DataType dtype) {
   return ffi::Error::InvalidArgument("attention (cpu): float32, bfloat16 or float16, got dtype " +
                                      std::to_string(static_cast<int>(dtype)));
@@ -533,12 +558,14 @@ ffi::Error Forward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
                    int64_t window, float scale, float softcap, bool base2) {
   Problem P = problem(q, k, q_seg, kv_seg, lengths, causal, window, scale, softcap);
   float* plse = lse->element_count() ? static_cast<float*>(lse->untyped_data()) : nullptr;
+  bool done = false;
   bool known = with_storage(q.element_type(), [&]<typename T>() {
-    forward(pool, P, static_cast<const T*>(q.untyped_data()),
+    done = forward(pool, P, static_cast<const T*>(q.untyped_data()),
             static_cast<const T*>(k.untyped_data()), static_cast<const T*>(v.untyped_data()),
             static_cast<T*>(o->untyped_data()), plse, base2);
   });
-  return known ? ffi::Error::Success() : unsupported(q.element_type());
+  if (!known) return unsupported(q.element_type());
+  return done ? ffi::Error::Success() : out_of_memory();
 }
 
 ffi::Error Backward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
@@ -548,15 +575,17 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ff
                     ffi::Result<ffi::AnyBuffer> dv, int32_t causal, int64_t window, float scale,
                     float softcap, bool base2) {
   Problem P = problem(q, k, q_seg, kv_seg, lengths, causal, window, scale, softcap);
+  bool done = false;
   bool known = with_storage(q.element_type(), [&]<typename T>() {
-    backward(pool, P, static_cast<const T*>(q.untyped_data()),
+    done = backward(pool, P, static_cast<const T*>(q.untyped_data()),
              static_cast<const T*>(k.untyped_data()), static_cast<const T*>(v.untyped_data()),
              static_cast<const T*>(o.untyped_data()),
              static_cast<const float*>(lse.untyped_data()),
              static_cast<const T*>(dout.untyped_data()), static_cast<T*>(dq->untyped_data()),
              static_cast<T*>(dk->untyped_data()), static_cast<T*>(dv->untyped_data()), base2);
   });
-  return known ? ffi::Error::Success() : unsupported(q.element_type());
+  if (!known) return unsupported(q.element_type());
+  return done ? ffi::Error::Success() : out_of_memory();
 }
 
 }  // namespace
