@@ -12,7 +12,8 @@ writes ``dq``, ``dk`` and ``dv`` from that one pass. The products run on 64-wide
 registers, over float32 copies of the operands (transposed where a product needs it), so XLA's
 layout copies and the ``[Tq, Tk]`` intermediates of the per-tile algorithm never reach memory.
 Work is split over XLA's intra-op threads by (batch, head, query tile) in the forward and by
-(batch, kv head) in the backward.
+(batch, kv head) in the backward, each kv head's key tiles split further where there are fewer
+heads than two per thread.
 """
 
 from __future__ import annotations
