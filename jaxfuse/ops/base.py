@@ -89,7 +89,9 @@ class Op:
 
   A kernel module may define ``refuses(**facts) -> str | None``: given what a call passes to
   :meth:`config` as ``facts`` (a row width, an activation), why its kernels cannot take it
-  (None: they can). ``None`` then skips that implementation; asked for by name, it raises.
+  (None: they can). ``None`` then skips that implementation; asked for by name, it raises. It
+  may define ``ready() -> bool``: whether its kernels load here (:meth:`ready`), which ``None``
+  asks last.
   """
 
   name: str
@@ -146,10 +148,18 @@ class Op:
     check = getattr(self.module(implementation), "refuses", None)
     return None if check is None else check(**facts)
 
+  def ready(self, implementation: str) -> bool:
+    """Whether ``implementation``'s kernels load here, for ``None`` (a kernel module may define
+    ``ready() -> bool``: the CPU kernels build on first use, and warn once where they cannot)."""
+    if dispatch.KINDS[implementation].package is None:
+      return True
+    check = getattr(self.module(implementation), "ready", None)
+    return True if check is None else check()
+
   def resolve(self, implementation: str | None, facts: Mapping | None = None) -> str:
     """The implementation this op runs with (see :func:`dispatch.resolve` for the errors)."""
     return dispatch.resolve(self.name, implementation, self.implementations, self.preference,
-                            refuses=lambda name: self.refuses(name, facts))
+                            refuses=lambda name: self.refuses(name, facts), ready=self.ready)
 
   def config(self, implementation: str | None, cls: type[Config] | None = None, *,
              facts: Mapping | None = None, **fields) -> Config:

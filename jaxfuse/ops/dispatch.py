@@ -207,7 +207,8 @@ def interprets(implementation: str) -> bool:
 
 def resolve(op: str, implementation: str | None, supported: Sequence[str],
             preference: dict[str, Sequence[str]] | None = None,
-            refuses: Callable[[str], str | None] | None = None) -> str:
+            refuses: Callable[[str], str | None] | None = None,
+            ready: Callable[[str], bool] | None = None) -> str:
   """Returns the implementation ``op`` runs with.
 
   Args:
@@ -220,6 +221,9 @@ def resolve(op: str, implementation: str | None, supported: Sequence[str],
       rule the ops follow).
     refuses: for an implementation, why it cannot take this call's arguments (None: it can):
       the limits of its kernels (a row too wide for their tiles, an activation they lack).
+    ready: for an implementation ``None`` would take, whether its kernels load here (the CPU
+      kernels are built on first use: where that fails, ``None`` goes on down its order, and
+      the kernels warn once); one asked for by name raises its own error when called.
 
   Raises:
     ValueError: ``implementation`` is not a known name, the op does not have it, or its
@@ -227,10 +231,12 @@ def resolve(op: str, implementation: str | None, supported: Sequence[str],
     ImplementationUnavailableError: the op has it but it cannot run here.
   """
   refuses = refuses or (lambda name: None)
+  ready = ready or (lambda name: True)
   if implementation is None:
     order = (preference or {}).get(platform(), None) or _default_order(supported)
     for name in order:
-      if name in supported and runs_natively(name) and refuses(name) is None:
+      if (name in supported and runs_natively(name) and refuses(name) is None
+          and ready(name)):
         return name
     return "xla"
   if not isinstance(implementation, str) or implementation not in IMPLEMENTATIONS:

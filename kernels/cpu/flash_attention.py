@@ -22,9 +22,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import register
+from . import Library
 
 _TARGETS = ("jaxfuse_attention_forward", "jaxfuse_attention_backward")
+LIBRARY = Library("flash_attention", _TARGETS)
+ready = LIBRARY.ready   # asked by implementation=None (False, warned, where it cannot load)
 _CAUSAL = {None: 0, False: 0, True: 1, "top_left": 1, "bottom_right": 2}
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
@@ -53,7 +55,7 @@ def _check(bias):
 
 
 def _forward(q, k, v, q_seg, kv_seg, kv_lengths, *, with_lse, causal, scale, window, softcap):
-  register("flash_attention", _TARGETS)
+  LIBRARY.load()
   lse_shape = q.shape[:-3] + (q.shape[-2], q.shape[-3]) if with_lse else (0,)
   outs = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(lse_shape, jnp.float32))
   return jax.ffi.ffi_call("jaxfuse_attention_forward", outs, vmap_method="broadcast_all")(
@@ -86,7 +88,7 @@ def backward(q, k, v, q_seg, kv_seg, kv_lengths, bias, o, lse, do, *, causal, sc
   span more keys than ``k``) and the output gradient ``do``."""
   del blocks
   _check(bias)
-  register("flash_attention", _TARGETS)
+  LIBRARY.load()
   outs = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
   dq, dk, dv = jax.ffi.ffi_call("jaxfuse_attention_backward", outs, vmap_method="broadcast_all")(
       q, k, v, _ints(q_seg), _ints(kv_seg), _ints(kv_lengths), o, lse.astype(jnp.float32),

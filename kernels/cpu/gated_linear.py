@@ -14,11 +14,13 @@ import jax
 import numpy as np
 
 from .. import activations
-from . import register
+from . import Library
 
 ACTIVATIONS = tuple(activations.ACTIVATIONS)   # the C++ side indexes them in this order
 _TARGETS = ("jaxfuse_glu_forward", "jaxfuse_glu_forward_packed", "jaxfuse_glu_backward",
             "jaxfuse_glu_backward_packed")
+LIBRARY = Library("gated_linear", _TARGETS)
+ready = LIBRARY.ready   # asked by implementation=None (False, warned, where it cannot load)
 
 
 def refuses(*, activation=None, **_) -> str | None:
@@ -29,7 +31,7 @@ def refuses(*, activation=None, **_) -> str | None:
 
 
 def _call(target: str, results, *args, activation: str):
-  register("gated_linear", _TARGETS)
+  LIBRARY.load()
   return jax.ffi.ffi_call(target, results, vmap_method="broadcast_all")(
       *args, activation=np.int32(ACTIVATIONS.index(activation)))
 

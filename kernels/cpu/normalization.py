@@ -13,9 +13,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import register
+from . import Library
 
 _TARGETS = ("jaxfuse_norm_forward", "jaxfuse_norm_backward")
+LIBRARY = Library("normalization", _TARGETS)
+ready = LIBRARY.ready   # asked by implementation=None (False, warned, where it cannot load)
 F32 = jnp.float32
 
 
@@ -30,7 +32,7 @@ def _spec(shape, dtype, present: bool):
 def forward(x, residual, scale, bias, *, eps: float, centered: bool, store_stats: bool):
   """``(y, z, mean, rstd)``: z None without a residual; the float32 ``(rows, 1)`` mean None
   unless centered and ``store_stats``, rstd None unless ``store_stats``."""
-  register("normalization", _TARGETS)
+  LIBRARY.load()
   rows = x.shape[0]
   outs = (jax.ShapeDtypeStruct(x.shape, x.dtype),
           _spec(x.shape, x.dtype, residual is not None),
@@ -47,7 +49,7 @@ def forward(x, residual, scale, bias, *, eps: float, centered: bool, store_stats
 def backward(x, g, sum_grad, scale, mean, rstd, *, has_bias: bool):
   """``(dx, dscale, dbias)``: dx in x's dtype, the float32 ``(H,)`` parameter gradients None
   where there is no scale or no bias."""
-  register("normalization", _TARGETS)
+  LIBRARY.load()
   h = x.shape[-1]
   outs = (jax.ShapeDtypeStruct(x.shape, x.dtype), _spec((h,), F32, scale is not None),
           _spec((h,), F32, has_bias))
