@@ -262,6 +262,38 @@ class DecoderConfig:
   def attention_scale(self) -> float:
     return self.query_scale if self.query_scale is not None else 1.0 / math.sqrt(self.head_dim)
 
+  def flops_per_token(self, seq: int, *, training: bool = True) -> float:
+    """The model FLOPs of one token in a row of ``seq`` tokens: each matmul's 2 FLOPs per
+    multiply-add (the projections, the MLP or the ``experts_per_token`` experts a token goes to
+    with the router and any shared expert, the LM head) and attention's scores and weighted
+    values over the keys a query sees (causal, within the window), as PaLM's appendix B counts
+    them; times 3 with ``training`` (the backward pass computes two products for each of the
+    forward's). Recomputation is not counted: this is the numerator of MFU, not of hardware
+    utilization. Norms, rotations and softmax are left out (a few percent at most).
+
+    Example:
+      >>> cfg = DecoderConfig(vocab_size=256, d_model=64, num_layers=2, num_heads=4,
+      ...                     mlp_dim=128)
+      >>> cfg.flops_per_token(16, training=False)   # 2 x 98304 weights + 4 x 64 x 2 x 8.5 keys
+      200960.0
+    """
+    q, kv, d = self.num_heads * self.head_dim, self.kv_heads * self.head_dim, self.d_model
+    weights = 0
+    for kind in self.layer_kinds:
+      weights += d * q + 2 * d * kv + q * d
+      if self.moe:
+        weights += d * self.num_experts + 3 * d * self.expert_mlp_dim * self.experts_per_token
+        weights += 3 * d * self.shared_expert_mlp_dim + (d if self.shared_expert_mlp_dim else 0)
+      else:
+        weights += 3 * d * self.mlp_dim
+    weights += d * self.vocab_size
+    keys = 0.0   # keys a query sees, summed over the layers (averaged over the row)
+    for kind in self.layer_kinds:
+      window = self.window(kind)
+      keys += sum(min(i + 1, window or seq) for i in range(seq)) / seq
+    forward = 2.0 * weights + 2.0 * 2.0 * self.num_heads * self.head_dim * keys
+    return 3.0 * forward if training else forward
+
   def replace(self, **changes) -> DecoderConfig:
     return dataclasses.replace(self, **changes)
 

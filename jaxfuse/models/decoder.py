@@ -243,9 +243,15 @@ class Decoder(LayerStack, nnx.Module):
 
   def __call__(self, tokens: jax.Array, targets: jax.Array,
                positions: jax.Array | None = None,
-               segment_ids: jax.Array | None = None) -> jax.Array:
+               segment_ids: jax.Array | None = None,
+               total_targets: jax.Array | None = None) -> jax.Array:
     """The mean cross-entropy of ``targets`` (``IGNORE_INDEX`` where none; see
     :func:`next_token_targets`) given ``tokens``, over the batch's valid targets.
+
+    ``total_targets``: divide the summed token losses by this count instead of the batch's own
+    (the valid targets of a whole step, when this batch is one of its micro-batches: the
+    micro-batches' losses then add up to the step's mean, each token weighted ``1 /
+    total_targets`` as in one pass over the step).
 
     Packed rows (several documents in one row): ``positions`` ``[batch, seq]`` restart at each
     document, ``segment_ids`` ``[batch, seq]`` keep attention inside each document, and the
@@ -254,23 +260,31 @@ class Decoder(LayerStack, nnx.Module):
     With MoE blocks, :meth:`router_loss` is added (as ``transformers`` adds
     ``router_aux_loss_coef`` times the load-balancing loss with ``output_router_logits``)."""
     h, order, stats = self._hidden(tokens, positions, segment_ids)
+    loss = self._token_loss(h, targets, order, total_targets)
     if stats is None:
-      return self._token_loss(h, targets, order)
-    return self._token_loss(h, targets, order) + self.router_loss(stats)
+      return loss
+    router = self.router_loss(stats)
+    if total_targets is not None:   # this batch's share of the step
+      router = router * jnp.sum(targets != IGNORE_INDEX) / total_targets
+    return loss + router
 
-  def _token_loss(self, h, targets, order):
-    """The mean cross-entropy of the final hidden states ``h`` (in the blocks' ``order``)."""
+  def _token_loss(self, h, targets, order, total_targets=None):
+    """The mean cross-entropy of the final hidden states ``h`` (in the blocks' ``order``), or
+    their summed cross-entropy over ``total_targets``."""
     if order is not None:
       # The targets in the blocks' order, and the tokens sequence-major: the sequence is split
       # over the mesh, so that flattening [seq, batch] into the loss's rows moves no data.
       targets = targets[..., order]
       h, targets = jnp.swapaxes(h, 0, 1), jnp.swapaxes(targets, 0, 1)
     if self.fused:
-      return self.lm_head.loss(h, targets)
+      if total_targets is None:
+        return self.lm_head.loss(h, targets)
+      return self.lm_head.loss(h, targets, reduction="sum") / total_targets
     logits = self.logits_from_hidden(h)
     valid = targets != IGNORE_INDEX
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.where(valid, targets, 0))
-    return jnp.sum(jnp.where(valid, losses, 0.0)) / jnp.sum(valid)
+    count = jnp.sum(valid) if total_targets is None else total_targets
+    return jnp.sum(jnp.where(valid, losses, 0.0)) / count
 
   def logits_from_hidden(self, h: jax.Array) -> jax.Array:
     """Float32 logits of normalized hidden states (materialized: use on few positions),

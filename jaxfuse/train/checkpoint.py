@@ -78,21 +78,63 @@ def refuse_other_run(manager, directory: Path, *, resume: bool) -> None:
 
 
 def resume(manager, directory: Path, state, *, resume: bool, log=print):
-  """``(step, state, meta)`` a run starts from: with ``resume``, the latest checkpoint in
-  ``manager`` (restored with ``state``'s shapes, dtypes and shardings), or ``(0, state, None)``
-  when there is none yet; without, ``(0, state, None)``.
+  """``(step, state, meta, manager)`` a run starts from: with ``resume``, the latest readable
+  checkpoint in ``manager`` (restored with ``state``'s shapes, dtypes and shardings), or
+  ``(0, state, None, manager)`` when there is none yet; without, ``(0, state, None, manager)``.
+
+  A latest checkpoint that cannot be read is reported by name and moved aside, into
+  ``<directory>-unreadable/<step>`` (kept for inspection, out of the way of the step's next
+  save), and the run resumes from the one before it; the manager returned sees the move.
 
   Raises:
     FileExistsError: without ``resume``, ``directory`` holds checkpoints (of another run).
-    CheckpointError: the latest checkpoint cannot be read.
+    CheckpointError: no checkpoint in ``directory`` can be read (nothing is moved then).
   """
   if not resume:
     refuse_other_run(manager, directory, resume=False)
-    return 0, state, None
-  restored = restore_checkpoint(manager, jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state))
-  if restored is None:
+    return 0, state, None, manager
+  abstract = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+  steps = sorted(manager.all_steps(), reverse=True)
+  if not steps:
     log(f"--resume: no checkpoint in {directory}; starting at step 0")
-    return 0, state, None
-  log(f"resumed at step {restored[0]}")
-  return restored
+    return 0, state, None, manager
+  failures = []
+  for step in steps:
+    try:
+      restored = restore_checkpoint(manager, abstract, step)
+    except CheckpointError as e:
+      failures.append((step, e))
+      log(f"--resume: {e}")
+      continue
+    if failures:
+      manager = _set_aside(manager, directory, [s for s, _ in failures])
+      log(f"--resume: resuming from step {step}, the latest readable checkpoint; moved "
+          f"{', '.join(str(s) for s, _ in failures)} to {_aside(directory)}")
+    log(f"resumed at step {restored[0]}")
+    return (*restored, manager)
+  raise failures[0][1]
+
+
+def _aside(directory: Path) -> Path:
+  return directory.with_name(directory.name + "-unreadable")
+
+
+def _set_aside(manager, directory: Path, steps: list[int]):
+  """Moves the checkpoints of ``steps`` out of ``directory`` (process 0, once every process has
+  failed to read them) and returns a manager of what is left."""
+  from jax.experimental import multihost_utils
+
+  multihost_utils.sync_global_devices("jaxfuse: unreadable checkpoints found")
+  if jax.process_index() == 0:
+    aside = _aside(directory)
+    aside.mkdir(exist_ok=True)
+    for step in steps:
+      target = aside / str(step)
+      suffix = 1
+      while target.exists():
+        target, suffix = aside / f"{step}.{suffix}", suffix + 1
+      (directory / str(step)).rename(target)
+  multihost_utils.sync_global_devices("jaxfuse: unreadable checkpoints moved")
+  manager.close()
+  return checkpoint_manager(directory)

@@ -9,8 +9,12 @@ before anything is built or written.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import json
 import os
 from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
 
 import jax.numpy as jnp
 
@@ -19,59 +23,142 @@ from jaxfuse.models import DecoderConfig
 from jaxfuse.ops.names import moe_products
 
 
+# The option groups of ``--help`` and of a configuration file's sections, in this order.
+GROUPS = {
+    "model": "the decoder: its shape from scratch, or a checkpoint to fine-tune",
+    "data": "what the model reads: files and their tokenizer, or the standard library's bytes",
+    "objective": "what the loss is taken on",
+    "optimisation": "the steps, batches and AdamW",
+    "LoRA": "low-rank adapters on a frozen base",
+    "recomputation": "what the backward pass recomputes instead of keeping",
+    "parallelism": "the device mesh and the processes of a run",
+    "checkpoints": "where a run writes, saves and resumes",
+    "logging": "progress, evaluation, TensorBoard and Weights & Biases, the sample at the end",
+}
+DTYPES = ("float32", "bfloat16", "float16")
+LOSS_ON = ("all", "completion")
+LONG_DOCUMENTS = ("auto", "split", "truncate")
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+REMAT_POLICIES = tuple(sorted(remat.PRESETS) + sorted(remat.RECIPES))
+
+
+def option(default, group: str, help: str, choices: tuple | None = None):  # noqa: A002
+  """A :class:`TrainConfig` field: its default, ``--help`` group and line, and fixed choices."""
+  assert group in GROUPS, group
+  return dataclasses.field(default=default,
+                           metadata={"group": group, "help": help, "choices": choices})
+
+
 @dataclasses.dataclass
 class TrainConfig:
-  """What a run does; every field is a command-line option (``--d-model`` for ``d_model``)."""
+  """What a run does; every field is a command-line option (``--d-model`` for ``d_model``) and a
+  key of a ``--config`` file (:func:`read_config_file`)."""
 
-  steps: int = 600
-  batch: int = 16
-  seq: int = 128
-  d_model: int = 128
-  layers: int = 4
-  heads: int = 4
-  kv_heads: int = 2
-  mlp: int = 384
-  lr: float = 3e-3
-  warmup: int = 50
-  weight_decay: float = 0.01
-  clip: float = 1.0
-  eval_every: int = 100
-  eval_batches: int = 8
-  save_every: int = 200
-  sample_tokens: int = 200
-  prompt: str = "def "
-  temperature: float = 0.8
-  seed: int = 0
-  dtype: str = "float32"
-  baseline: bool = False
-  remat: bool = False            # recompute each block but its input
-  remat_policy: str | None = None   # a preset or MaxText recipe for every block
-  remat_budget: str | None = None   # plan per block within this many residual bytes ("50%")
-  remat_choices: str | None = None  # what the plan may choose, comma-separated
-  segments: str | None = None       # "sqrt" or a number of blocks per checkpointed segment
-  scan_layers: bool = False         # stacked blocks under one scan
-  mesh: str | None = None           # "data=2,fsdp=2,tensor=2": train on a device mesh
-  distributed: bool = False         # jax.distributed from the cluster's environment (SLURM, MPI)
-  coordinator: str | None = None    # "HOST:PORT" of process 0: jax.distributed with the next two
-  num_processes: int | None = None  # how many processes train together (one a host or GPU)
-  process_id: int | None = None     # this process, in [0, --num-processes)
-  init_from: str | None = None     # a Hugging Face checkpoint directory to fine-tune
-  data: list[str] | None = None     # files, directories, globs: .txt, .jsonl, .parquet
-  eval_data: list[str] | None = None  # evaluation files (else --eval-share of --data)
-  eval_share: float = 0.0           # hold out this share of --data's documents for evaluation
-  text_field: str = "text"          # the field of a text record in JSON lines and Parquet
-  loss_on: str = "all"              # "completion": only completions and assistant turns (SFT)
-  long_documents: str = "auto"      # "split" (pretraining) / "truncate" (SFT) / "auto"
-  tokenizer: str | None = None      # a tokenizer directory (default: --init-from's own)
-  train_tokenizer: int | None = None  # train a byte-level BPE of this many tokens on --data
-  lora_rank: int | None = None      # train LoRA adapters of this rank; the base stays frozen
-  lora_alpha: float | None = None   # adapters scaled by alpha / rank (default: 2 x rank)
-  lora_targets: str = "q,k,v,o,gate,up,down"  # the projections that get adapters
-  expert_keep: str | None = None    # MoE: keep the experts' "gate", "up" or "gate,up" products
-  export_hf: str | None = None      # at the end, write a Hugging Face checkpoint here
-  out: str = "runs/jaxfuse-train"
-  resume: bool = False
-  stop_at: int | None = None   # stop after this step (the schedule still spans --steps)
+  # model
+  d_model: int = option(128, "model", "the residual stream's width (from scratch)")
+  layers: int = option(4, "model", "decoder blocks (from scratch)")
+  heads: int = option(4, "model", "query heads (from scratch)")
+  kv_heads: int = option(2, "model", "key/value heads; fewer than --heads is GQA (from scratch)")
+  mlp: int = option(384, "model", "the gated MLP's hidden width (from scratch)")
+  dtype: str = option("float32", "model", "the computation dtype", DTYPES)
+  init_from: str | None = option(None, "model", "a Hugging Face checkpoint directory to "
+                                 "fine-tune (instead of a model from scratch)")
+  expert_keep: str | None = option(None, "model", "MoE: keep the experts' 'gate', 'up' or "
+                                   "'gate,up' products for the backward pass")
+  baseline: bool = option(False, "model", "plain flax/jax parts instead of jaxfuse's fused ops "
+                          "(for comparison)")
+  seed: int = option(0, "model", "seeds the initial weights, the batch order and the sample")
+  # data
+  data: list[str] | None = option(None, "data", "files, directories or globs of .txt, .jsonl "
+                                  "and .parquet records (default: the standard library's bytes)")
+  eval_data: list[str] | None = option(None, "data", "evaluation files (else --eval-share of "
+                                       "--data)")
+  eval_share: float = option(0.0, "data", "hold out this share of --data's documents for "
+                             "evaluation")
+  seq: int = option(128, "data", "tokens a row")
+  text_field: str = option("text", "data", "the field of a text record in JSON lines and "
+                           "Parquet")
+  long_documents: str = option("auto", "data", "documents longer than --seq: split "
+                               "(pretraining), truncate (SFT), or auto by the records' kind",
+                               LONG_DOCUMENTS)
+  tokenizer: str | None = option(None, "data", "a tokenizer directory (default: --init-from's "
+                                 "own, else bytes)")
+  train_tokenizer: int | None = option(None, "data", "train a byte-level BPE of this many tokens "
+                                       "on --data")
+  # objective
+  loss_on: str = option("all", "objective", "the tokens the loss is taken on: all, or only the "
+                        "completions and assistant turns (SFT)", LOSS_ON)
+  # optimisation
+  steps: int = option(600, "optimisation", "optimizer steps (the schedule spans them)")
+  batch: int = option(16, "optimisation", "rows a micro-batch; a step takes --batch x "
+                      "--grad-accum rows")
+  grad_accum: int = option(1, "optimisation", "micro-batches a step sums its gradient over, "
+                           "inside the jitted step (one step on the N-times larger batch)")
+  lr: float = option(3e-3, "optimisation", "AdamW's peak learning rate")
+  warmup: int = option(50, "optimisation", "steps of linear warm-up; then cosine decay to 10% "
+                       "of --lr")
+  weight_decay: float = option(0.01, "optimisation", "AdamW's decoupled weight decay")
+  clip: float = option(1.0, "optimisation", "the gradients' global norm is clipped to this")
+  skip_nonfinite: int = option(0, "optimisation", "skip (do not apply) up to this many steps "
+                               "whose loss or gradient is not finite; one more stops the run")
+  # LoRA
+  lora_rank: int | None = option(None, "LoRA", "train LoRA adapters of this rank; the base "
+                                 "stays frozen")
+  lora_alpha: float | None = option(None, "LoRA", "adapters scaled by alpha / rank (default: "
+                                    "2 x rank)")
+  lora_targets: str = option("q,k,v,o,gate,up,down", "LoRA", "the projections that get "
+                             "adapters, comma-separated among " + ",".join(LORA_TARGETS))
+  # recomputation
+  remat: bool = option(False, "recomputation", "recompute each block but its input")
+  remat_policy: str | None = option(None, "recomputation", "a preset or MaxText recipe for "
+                                    "every block", REMAT_POLICIES)
+  remat_budget: str | None = option(None, "recomputation", "plan per block within this many "
+                                    "residual bytes, or a share like 50% (profiled on the "
+                                    "first batch)")
+  remat_choices: str | None = option(None, "recomputation", "what the plan may choose for a "
+                                     "block, comma-separated")
+  segments: str | None = option(None, "recomputation", "'sqrt' or a number of blocks per "
+                                "checkpointed segment")
+  scan_layers: bool = option(False, "recomputation", "the blocks stacked under one scan")
+  # parallelism
+  mesh: str | None = option(None, "parallelism", "train on a device mesh, e.g. "
+                            "data=2,fsdp=2,tensor=2 (axes data, fsdp, context, tensor, expert)")
+  distributed: bool = option(False, "parallelism", "join the processes of a cluster job "
+                             "(SLURM, Open MPI) with jax.distributed")
+  coordinator: str | None = option(None, "parallelism", "HOST:PORT of process 0: join "
+                                   "--num-processes processes")
+  num_processes: int | None = option(None, "parallelism", "how many processes train together "
+                                     "(one a host or GPU)")
+  process_id: int | None = option(None, "parallelism", "this process, in [0, --num-processes)")
+  # checkpoints
+  out: str = option("runs/jaxfuse-train", "checkpoints", "the run's directory: checkpoints, "
+                    "logs, the resolved configuration")
+  save_every: int = option(200, "checkpoints", "save a checkpoint every this many steps")
+  resume: bool = option(False, "checkpoints", "continue from the latest readable checkpoint in "
+                        "--out")
+  stop_at: int | None = option(None, "checkpoints", "stop after this step (the schedule still "
+                               "spans --steps)")
+  export_hf: str | None = option(None, "checkpoints", "at the end, write a Hugging Face "
+                                 "checkpoint here")
+  # logging
+  log_every: int = option(10, "logging", "read the losses back every this many steps (the "
+                          "steps in between run without waiting for the host)")
+  eval_every: int = option(100, "logging", "measure the validation loss every this many steps")
+  eval_batches: int = option(8, "logging", "batches the validation loss is measured on")
+  tensorboard: bool = option(True, "logging", "write TensorBoard event files into --out/"
+                             "tensorboard")
+  wandb: str | None = option(None, "logging", "log to this Weights & Biases project (needs "
+                             "wandb installed)")
+  peak_tflops: float | None = option(None, "logging", "the peak TFLOP/s of one device, for the "
+                                     "MFU (default: known accelerators' dense bf16 peak)")
+  sample_tokens: int = option(200, "logging", "tokens sampled after --prompt at the end")
+  prompt: str = option("def ", "logging", "the sample's prompt")
+  temperature: float = option(0.8, "logging", "the sample's temperature")
+
+  @property
+  def global_batch(self) -> int:
+    """The rows of one step: ``--batch`` x ``--grad-accum``."""
+    return self.batch * self.grad_accum
 
   def model_config(self, vocab_size: int = 256) -> DecoderConfig:
     """The decoder a run trains from scratch, over a vocabulary of ``vocab_size``."""
@@ -85,14 +172,148 @@ class TrainConfig:
     return dataclasses.asdict(self)
 
 
+def fields_by_group() -> dict[str, list[dataclasses.Field]]:
+  """:class:`TrainConfig`'s fields in their groups (:data:`GROUPS`' order)."""
+  groups = {name: [] for name in GROUPS}
+  for field in dataclasses.fields(TrainConfig):
+    groups[field.metadata["group"]].append(field)
+  return groups
+
+
+# Configuration files ---------------------------------------------------------------------------
+
+CONFIG_SUFFIXES = (".yaml", ".yml", ".toml", ".json")
+
+
+def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
+  """The options a ``--config`` file sets, by field name, checked.
+
+  A YAML, TOML or JSON mapping of option names (``d_model`` or ``d-model``) to values, flat or
+  in sections named by the groups of ``--help`` (:data:`GROUPS`), as :func:`write_config_file`
+  writes them::
+
+      model:
+        d_model: 256
+      optimisation:
+        steps: 1000
+        lr: 1.0e-3
+
+  Raises:
+    ValueError: the file cannot be read or parsed, a key is not an option (naming the nearest
+      one), or a value has the wrong type (naming the option).
+  """
+  path = Path(path)
+  if path.suffix.lower() not in CONFIG_SUFFIXES:
+    raise ValueError(f"--config {path}: a configuration file is {', '.join(CONFIG_SUFFIXES)}")
+  try:
+    text = path.read_text()
+  except OSError as e:
+    raise ValueError(f"--config {path}: cannot read it ({e.strerror or e})") from e
+  try:
+    if path.suffix.lower() == ".toml":
+      import tomllib
+      raw = tomllib.loads(text)
+    elif path.suffix.lower() == ".json":
+      raw = json.loads(text)
+    else:
+      import yaml
+      raw = yaml.safe_load(text)
+  except Exception as e:  # noqa: BLE001 - each parser has its own error types
+    raise ValueError(f"--config {path}: not valid {path.suffix[1:].upper()}: {e}") from e
+  if raw is None:
+    return {}
+  if not isinstance(raw, Mapping):
+    raise ValueError(f"--config {path}: must be a mapping of options to values, got "
+                     f"{type(raw).__name__}")
+  fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+  values = {}
+
+  def take(key, value, where: str):
+    name = str(key).replace("-", "_")
+    if name not in fields:
+      known = list(fields) + list(GROUPS)
+      near = difflib.get_close_matches(name, known, n=1, cutoff=0.5)
+      hint = f"; did you mean {near[0]!r}?" if near else ""
+      raise ValueError(f"--config {path}: unknown option {where}{key!r}{hint}")
+    if name in values:
+      raise ValueError(f"--config {path}: {name!r} is given twice")
+    values[name] = _checked_value(fields[name], value, f"--config {path}: {where}{key!r}")
+
+  for key, value in raw.items():
+    if key in GROUPS and isinstance(value, Mapping):
+      for inner, inner_value in value.items():
+        take(inner, inner_value, f"{key}.")
+    else:
+      take(key, value, "")
+  return values
+
+
+def _checked_value(field: dataclasses.Field, value: Any, where: str) -> Any:
+  """``value`` for ``field`` from a file (YAML/TOML types), or ValueError naming ``where``."""
+  kind = str(field.type)
+  optional = kind.endswith("| None")
+  base = kind.split(" ")[0]
+  if value is None:
+    if optional:
+      return None
+    raise ValueError(f"{where} cannot be null")
+  if base == "bool":
+    ok = isinstance(value, bool)
+  elif base == "int":
+    ok = isinstance(value, int) and not isinstance(value, bool)
+  elif base == "float":
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    value = float(value) if ok else value
+  elif base == "list[str]":
+    value = [value] if isinstance(value, str) else value
+    ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
+  else:   # str; numbers written bare in YAML (a remat budget of bytes) are taken as text
+    ok = isinstance(value, (str, int, float)) and not isinstance(value, bool)
+    value = str(value) if ok else value
+  if not ok:
+    raise ValueError(f"{where} must be {'a list of strings' if base == 'list[str]' else base}"
+                     f"{' or null' if optional else ''}, got {value!r}")
+  choices = field.metadata.get("choices")
+  if choices and value not in choices:
+    raise ValueError(f"{where} must be one of {', '.join(choices)}, got {value!r}")
+  return value
+
+
+def config_sections(cfg: TrainConfig) -> dict[str, dict[str, Any]]:
+  """``cfg`` as sections of :data:`GROUPS`: what :func:`write_config_file` writes."""
+  return {group: {f.name: getattr(cfg, f.name) for f in fields}
+          for group, fields in fields_by_group().items()}
+
+
+def config_text(cfg: TrainConfig) -> str:
+  """``cfg`` as YAML in sections, which ``--config`` reads back."""
+  import yaml
+
+  return yaml.safe_dump(config_sections(cfg), sort_keys=False, default_flow_style=False)
+
+
+def write_config_file(cfg: TrainConfig, path: str | os.PathLike) -> None:
+  """Writes ``cfg`` (:func:`config_text`) to ``path``, atomically."""
+  path = Path(path)
+  tmp = path.with_name(path.name + ".tmp")
+  tmp.write_text("# The resolved configuration of a run of python -m jaxfuse.train: "
+                 "--config reads it back.\n" + config_text(cfg))
+  os.replace(tmp, path)
+
+
 def check_config(cfg: TrainConfig) -> None:
   """Raises ValueError, naming the option, for a configuration that cannot run."""
   if cfg.sample_tokens < 0:
     raise ValueError(f"--sample-tokens must be >= 0, got {cfg.sample_tokens}")
-  for name in ("steps", "batch", "seq", "eval_every", "eval_batches", "save_every"):
+  for name in ("steps", "batch", "grad_accum", "seq", "eval_every", "eval_batches",
+               "save_every", "log_every"):
     if getattr(cfg, name) < 1:
       raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
-  if cfg.dtype not in ("float32", "bfloat16", "float16"):
+  if cfg.skip_nonfinite < 0:
+    raise ValueError(f"--skip-nonfinite must be >= 0, got {cfg.skip_nonfinite}")
+  if cfg.peak_tflops is not None and cfg.peak_tflops <= 0:
+    raise ValueError(f"--peak-tflops must be > 0, got {cfg.peak_tflops}")
+  if cfg.dtype not in DTYPES:
     raise ValueError(f"--dtype must be float32, bfloat16 or float16, got {cfg.dtype!r}")
   if cfg.warmup < 0 or cfg.warmup >= cfg.steps:
     raise ValueError(f"--warmup must be in [0, --steps), got {cfg.warmup} with {cfg.steps} steps")
@@ -168,11 +389,13 @@ def processes(cfg: TrainConfig,
 
 
 def mesh_shape(cfg: TrainConfig) -> dict[str, int]:
-  """The ``--mesh`` axes, checked against the batch's shape."""
+  """The ``--mesh`` axes, checked against the (micro-)batch's shape."""
   shape = parallel.parse_mesh(cfg.mesh)
   rows = shape.get("data", 1) * shape.get("fsdp", 1) * shape.get("expert", 1)
   if cfg.batch % rows:
-    raise ValueError(f"--batch {cfg.batch} must be a multiple of data x fsdp x expert = {rows}")
+    raise ValueError(f"--batch {cfg.batch} must be a multiple of data x fsdp x expert = {rows}"
+                     + (" (each of the --grad-accum micro-batches is split over them)"
+                        if cfg.grad_accum > 1 else ""))
   parts = shape.get("context", 1)
   if parts > 1 and cfg.seq % (2 * parts):
     raise ValueError(f"--seq {cfg.seq} must be a multiple of 2 x context = {2 * parts} (the "
@@ -210,11 +433,6 @@ def remat_choices(cfg: TrainConfig) -> tuple[str, ...]:
   if cfg.remat_choices is None:
     return remat.DEFAULT_CHOICES
   return tuple(c.strip() for c in cfg.remat_choices.split(",") if c.strip())
-
-
-LOSS_ON = ("all", "completion")
-LONG_DOCUMENTS = ("auto", "split", "truncate")
-LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 
 
 def _check_data(cfg: TrainConfig) -> None:

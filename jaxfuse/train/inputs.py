@@ -64,7 +64,7 @@ def save_tokenizer(cfg: TrainConfig, tokenizer: Any) -> None:
 @dataclasses.dataclass
 class Inputs:
   """A run's batches. ``train(step, mesh)`` and ``evaluation(mesh)`` give dicts of placed
-  ``[batch, seq]`` arrays (:data:`BATCH_KEYS`; the byte corpus has no positions or segment
+  ``[batch x grad_accum, seq]`` arrays (a step's rows; the step splits them into micro-batches) (:data:`BATCH_KEYS`; the byte corpus has no positions or segment
   ids); ``fingerprint`` names the data, its packing, batch size and seed (a checkpoint records
   it); ``entropy_bits`` is the byte corpus' unigram entropy (None for ``--data``)."""
 
@@ -87,7 +87,7 @@ class Inputs:
             "the sample only)")
       return cls(cfg, tokenizer, corpus=stdlib_corpus())
     prepared = data.prepare(
-        cfg.data, tokenizer, Path(cfg.out) / "data", seq=cfg.seq, batch_size=cfg.batch,
+        cfg.data, tokenizer, Path(cfg.out) / "data", seq=cfg.seq, batch_size=cfg.global_batch,
         text_field=cfg.text_field, loss_on=cfg.loss_on, long_documents=cfg.long_documents,
         eval_paths=cfg.eval_data, eval_share=cfg.eval_share, vocab_size=vocab_size,
         seed=cfg.seed, log=log if jax.process_index() == 0 else None)
@@ -96,7 +96,7 @@ class Inputs:
   @property
   def fingerprint(self) -> str:
     if self.prepared is None:
-      return f"stdlib-bytes/batch{self.cfg.batch}/seq{self.cfg.seq}/seed{self.cfg.seed}"
+      return f"stdlib-bytes/batch{self.cfg.global_batch}/seq{self.cfg.seq}/seed{self.cfg.seed}"
     return self.prepared.train.fingerprint
 
   @property
@@ -116,7 +116,7 @@ class Inputs:
                            "sequence or seed): resume with the same options, or another --out")
 
   def _place(self, rows, mesh) -> dict:
-    shape = (self.cfg.batch, self.cfg.seq)
+    shape = (self.cfg.global_batch, self.cfg.seq)
     keys = BATCH_KEYS if self.prepared is not None else BATCH_KEYS[:2]
     arrays = placement.place_batch_rows(lambda lo, hi: _ordered(rows(lo, hi), keys), shape,
                                         mesh)
@@ -125,7 +125,7 @@ class Inputs:
   def train(self, step: int, mesh=None) -> dict:
     """The placed batch of ``step``."""
     if self.prepared is None:
-      tokens, targets = batch_at(self.corpus[0], step, self.cfg.batch, self.cfg.seq,
+      tokens, targets = batch_at(self.corpus[0], step, self.cfg.global_batch, self.cfg.seq,
                                  self.cfg.seed)
       return self._place(lambda lo, hi: {"tokens": tokens[lo:hi], "targets": targets[lo:hi]},
                          mesh)
@@ -143,8 +143,8 @@ class Inputs:
       validation = self.corpus[1]
       batches = []
       for i in range(self.cfg.eval_batches):
-        tokens, targets = batch_at(validation, i, self.cfg.batch, self.cfg.seq, self.cfg.seed,
-                                   stream=1)
+        tokens, targets = batch_at(validation, i, self.cfg.global_batch, self.cfg.seq,
+                                   self.cfg.seed, stream=1)
         batches.append(self._place(
             lambda lo, hi, t=tokens, y=targets: {"tokens": t[lo:hi], "targets": y[lo:hi]},
             mesh))

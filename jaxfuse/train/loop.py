@@ -1,13 +1,29 @@
-"""The training loop of ``python -m jaxfuse.train``: the jitted steps, progress, the run's log.
+"""The training loop of ``python -m jaxfuse.train``: the jitted steps, the run's metrics and
+log, preemption.
 
 :func:`train` runs a :class:`~jaxfuse.train.config.TrainConfig`: it finds the tokenizer, builds
 the model and its optimizer (:mod:`jaxfuse.train.model`), prepares the batches
 (:mod:`jaxfuse.train.inputs`), plans recomputation for ``--remat-budget``, places the state on
 the ``--mesh`` (:mod:`jaxfuse.train.placement`), resumes from a checkpoint
-(:mod:`jaxfuse.train.checkpoint`), then trains, measuring the evaluation loss every
-``--eval-every`` steps and saving every ``--save-every``. At the end it samples text, writes
-``train_log.json`` and ``loss_curve.png`` (:mod:`jaxfuse.train.plot`) and, with
-``--export-hf``, a Hugging Face checkpoint (:mod:`jaxfuse.train.export`).
+(:mod:`jaxfuse.train.checkpoint`), then trains:
+
+- A step takes ``--batch`` x ``--grad-accum`` rows: with ``--grad-accum N`` the jitted step
+  scans over N micro-batches of ``--batch`` rows, summing each one's gradient weighted by its
+  share of the step's loss tokens, so that it equals one step on the whole batch (within
+  float32 rounding) while holding one micro-batch's activations.
+- A step whose loss or gradient is not finite is not applied (the state stays as it was);
+  more than ``--skip-nonfinite`` of them stop the run, naming the step, with its checkpoints
+  kept.
+- The host reads the steps' metrics back every ``--log-every`` steps (and before evaluating,
+  saving or stopping), so the steps in between run without waiting for it; it then writes them
+  to TensorBoard, W&B and ``metrics.jsonl`` (:mod:`jaxfuse.train.writers`), with the tokens per
+  second and the MFU over that span.
+- SIGTERM and SIGINT save a checkpoint of the step reached, on every process at the same step,
+  and raise :class:`~jaxfuse.train.preemption.Preempted` (:mod:`jaxfuse.train.preemption`).
+
+At the end it samples text, writes ``train_log.json`` and ``loss_curve.png``
+(:mod:`jaxfuse.train.plot`) and, with ``--export-hf``, a Hugging Face checkpoint
+(:mod:`jaxfuse.train.export`).
 """
 
 from __future__ import annotations
@@ -21,46 +37,110 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
 
 from jaxfuse import remat
-from jaxfuse.models import Decoder
+from jaxfuse.metrics.peak import peak_flops
+from jaxfuse.models import IGNORE_INDEX, Decoder
 from jaxfuse.train import checkpoint, config, distributed, export, placement
 from jaxfuse.train import inputs as inputs_lib
 from jaxfuse.train.config import TrainConfig
 from jaxfuse.train.corpus import LN2
 from jaxfuse.train.inputs import Inputs
-from jaxfuse.train.model import build, sample_text, trained
+from jaxfuse.train.model import build, learning_rate, sample_text, trained
 from jaxfuse.train.plot import plot_losses
+from jaxfuse.train.preemption import Preempted, StopSignals
+from jaxfuse.train.writers import MetricWriters
+
+__all__ = ["Preempted", "make_steps", "micro_batches", "train"]
+
+
+def micro_batches(batch: dict, count: int) -> dict:
+  """``batch``'s ``[count * b, ...]`` arrays as ``[count, b, ...]``: micro-batch ``i`` holds rows
+  ``i, count + i, 2 * count + i, ...``, so that rows split over a mesh's batch axes split every
+  micro-batch alike (each device keeps its own rows)."""
+  def split(x):
+    rows = x.shape[0] // count
+    return jnp.swapaxes(x.reshape(rows, count, *x.shape[1:]), 0, 1)
+  return jax.tree.map(split, batch)
+
+
+def _accumulated(loss_fn, params, batch: dict, count: int, *, grad: bool):
+  """``(loss, grads)`` of ``loss_fn(params, batch)`` (a decoder's mean loss over the batch's
+  valid targets) over ``count`` micro-batches in a scan: each micro-batch's token losses summed
+  over the whole batch's valid targets (the decoder's ``total_targets``), so that every token
+  weighs as in one pass and the sum is the whole batch's mean; ``grads`` None without
+  ``grad``."""
+  micro = micro_batches(batch, count)
+  total = jnp.maximum(jnp.sum(batch["targets"] != IGNORE_INDEX), 1).astype(jnp.float32)
+
+  def body(carry, mb):
+    mb = {**mb, "total_targets": total}
+    out = jax.value_and_grad(loss_fn)(params, mb) if grad else (loss_fn(params, mb), None)
+    return jax.tree.map(jnp.add, carry, out), None
+
+  zero = (jnp.zeros((), jnp.float32),
+          jax.tree.map(jnp.zeros_like, params) if grad else None)
+  (loss, grads), _ = jax.lax.scan(body, zero, micro)
+  return loss, grads
 
 
 def make_steps(model: Decoder, optimizer: nnx.Optimizer,
-               mesh: jax.sharding.Mesh | None = None, wrt=nnx.Param):
-  """``(graphdef, state, train, evaluate)``: jitted ``train(state, batch) -> (state, loss)``
+               mesh: jax.sharding.Mesh | None = None, wrt=nnx.Param, grad_accum: int = 1):
+  """``(graphdef, state, train, evaluate)``: jitted ``train(state, batch) -> (state, metrics)``
   and ``evaluate(state, batch) -> loss`` over the split state of ``(model, optimizer)``, where
   ``batch`` is a dict of the model's arguments (``tokens``, ``targets``, and ``positions`` and
   ``segment_ids`` for packed rows); the gradient is taken of the ``wrt`` variables only (the
-  optimizer's). With a ``mesh``, the state is placed there by its logical axes (and kept so by
-  ``train``). Call them under ``jax.set_mesh(mesh)``: the model reads the mesh as it traces."""
+  optimizer's).
+
+  ``metrics`` holds the step's ``loss``, the gradient's global norm ``grad_norm`` (before
+  clipping), its ``loss_tokens`` and whether it was ``applied``: a step whose loss or gradient
+  is not finite leaves the state as it was. With ``grad_accum`` N the batch's rows are N
+  micro-batches (:func:`micro_batches`), scanned in the step and in ``evaluate``. With a
+  ``mesh``, the state is placed there by its logical axes (and kept so by ``train``). Call them
+  under ``jax.set_mesh(mesh)``: the model reads the mesh as it traces."""
   graphdef, state = nnx.split((model, optimizer))
 
+  def loss_fn(params, rest, batch):
+    return nnx.merge(module_def, params, rest)(**batch)
+
+  module_def, _, _ = nnx.split(model, wrt, ...)
+
   def train(state, batch):
+    before, structure = jax.tree.flatten(state)   # the arrays, before the update replaces them
     model, optimizer = nnx.merge(graphdef, state)
-    loss, grads = nnx.value_and_grad(lambda m: m(**batch),
-                                     argnums=nnx.DiffState(0, wrt))(model)
+    _, params, rest = nnx.split(model, wrt, ...)
+    if grad_accum == 1:
+      loss, grads = jax.value_and_grad(loss_fn)(params, rest, batch)
+    else:
+      loss, grads = _accumulated(lambda p, b: loss_fn(p, rest, b), params, batch, grad_accum,
+                                 grad=True)
+    grad_norm = optax.tree.norm(grads)
+    applied = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     optimizer.update(model, grads)
-    return nnx.state((model, optimizer)), loss
+    # A step that is not applied keeps the state; elementwise, so that XLA fuses it into the
+    # update's loops.
+    after = jax.tree.leaves(nnx.state((model, optimizer)))
+    new = structure.unflatten([jnp.where(applied, a, b) for a, b in zip(after, before)])
+    tokens = jnp.sum(batch["targets"] != IGNORE_INDEX)
+    return new, {"loss": loss, "grad_norm": grad_norm, "loss_tokens": tokens,
+                 "applied": applied}
 
   def evaluate(state, batch):
     model, _ = nnx.merge(graphdef, state)
-    return model(**batch)
+    if grad_accum == 1:
+      return model(**batch)
+    _, params, rest = nnx.split(model, wrt, ...)
+    return _accumulated(lambda p, b: loss_fn(p, rest, b), params, batch, grad_accum,
+                        grad=False)[0]
 
   if mesh is None:
     return graphdef, state, jax.jit(train, donate_argnums=0), jax.jit(evaluate)
   state, shardings = placement.place_state(state, mesh)
-  loss = placement.replicated(mesh)
-  return (graphdef, state, jax.jit(train, donate_argnums=0, out_shardings=(shardings, loss)),
-          jax.jit(evaluate, out_shardings=loss))
+  one = placement.replicated(mesh)
+  return (graphdef, state, jax.jit(train, donate_argnums=0, out_shardings=(shardings, one)),
+          jax.jit(evaluate, out_shardings=one))
 
 
 def _progress():
@@ -76,18 +156,99 @@ def _progress():
 
 def _plan_remat(cfg: TrainConfig, model: Decoder, inputs: Inputs):
   """The recomputation plan of ``--remat-budget``, set on ``model``; planned on the first
-  training batch (the same for a resumed run)."""
-  first = tuple(jnp.asarray(x) for x in inputs.first_batch())
+  micro-batch of the first training batch (the same for a resumed run)."""
+  first = tuple(jnp.asarray(x)[:cfg.batch] for x in inputs.first_batch())
   plan = remat.plan(lambda m, b: m(*b), model, first, config.remat_budget(cfg),
                     choices=config.remat_choices(cfg))
   model.set_remat(plan, config.segments(cfg))
   return plan
 
 
+class _Metrics:
+  """The steps' metrics on their way from the device to the run's history and writers: kept as
+  device values until :meth:`flush` reads them all at once."""
+
+  def __init__(self, cfg: TrainConfig, history: dict, writers: MetricWriters | None,
+               flops_per_token: float, peak: float | None, log, checkpoints: Path):
+    self.cfg, self.history, self.writers, self.log = cfg, history, writers, log
+    self.flops_per_token, self.peak, self.checkpoints = flops_per_token, peak, checkpoints
+    self.pending: list[tuple[int, dict]] = []
+    self.tokens_per_step = cfg.global_batch * cfg.seq
+    self.timed_steps, self.timed_seconds = 0, 0.0
+    self.clock: float | None = None   # when the last flush ended (None: before the first step)
+    self.untimed = 0                  # pending steps the clock did not see (the first: compiled)
+    self.rate: float | None = None
+    self.mfu: float | None = None
+
+  def add(self, step: int, metrics: dict) -> None:
+    if self.clock is None:   # the first step compiles: start the clock when it is done
+      jax.block_until_ready(metrics)
+      self.clock, self.untimed = time.perf_counter(), 1
+    self.pending.append((step, metrics))
+
+  def flush(self) -> None:
+    """Reads the pending steps' metrics back (one wait for all), records them and raises
+    FloatingPointError for a non-finite step beyond ``--skip-nonfinite``."""
+    if not self.pending:
+      return
+    values = jax.device_get([m for _, m in self.pending])
+    steps = [s for s, _ in self.pending]
+    self.pending = []
+    now = time.perf_counter()
+    timed, self.untimed = len(steps) - self.untimed, 0
+    if self.clock is not None and timed > 0:
+      span = now - self.clock
+      self.timed_steps += timed
+      self.timed_seconds += span
+      self.rate = self.tokens_per_step * timed / span
+      self.mfu = (self.rate * self.flops_per_token / (self.peak * jax.device_count())
+                  if self.peak else None)
+    for step, m in zip(steps, values):
+      loss = float(m["loss"])
+      if not bool(m["applied"]):
+        self.history["skipped"].append(step)
+        skipped = len(self.history["skipped"])
+        if skipped > self.cfg.skip_nonfinite:
+          raise FloatingPointError(
+              f"step {step}: the loss is {loss} and the gradient norm {float(m['grad_norm'])}; "
+              f"the step was not applied and the run stops (the checkpoints in "
+              f"{self.checkpoints} are kept): lower --lr, check the data, or let "
+              f"--skip-nonfinite N skip up to N such steps")
+        self.log(f"step {step}: the loss is {loss}: skipped ({skipped} of at most "
+                 f"{self.cfg.skip_nonfinite})")
+        continue
+      self.history["step"].append(step)
+      self.history["loss"].append(loss)
+      if self.writers is not None:
+        self.writers.write(step, {
+            "train/loss": loss, "train/grad_norm": float(m["grad_norm"]),
+            "train/learning_rate": float(learning_rate(self.cfg, step - 1)),
+            "train/loss_tokens": int(m["loss_tokens"])})
+    if self.writers is not None:
+      self.writers.write(steps[-1], {"perf/tokens_per_second": self.rate, "perf/mfu": self.mfu,
+                                     "train/skipped_steps": len(self.history["skipped"])})
+      self.writers.flush()
+
+  def restart_clock(self) -> None:
+    """After evaluation or a checkpoint: their time is not the steps'."""
+    if self.clock is not None:
+      self.clock = time.perf_counter()
+
+  @property
+  def tokens_per_second(self) -> float | None:
+    return (self.tokens_per_step * self.timed_steps / self.timed_seconds
+            if self.timed_seconds else None)
+
+
 def train(cfg: TrainConfig, *, log=print) -> dict:
   """Runs training as configured; returns (and writes to ``cfg.out``) the run's log. Only
-  process 0 prints and writes the log, the plot and the export (every process saves its
-  shards of each checkpoint)."""
+  process 0 prints and writes the log, the metrics, the plot and the export (every process
+  saves its shards of each checkpoint).
+
+  Raises:
+    Preempted: SIGTERM or SIGINT stopped the run, after saving a checkpoint of its step.
+    FloatingPointError: more than ``--skip-nonfinite`` steps had a non-finite loss.
+  """
   distributed.initialize(cfg)   # first: --coordinator, --distributed (else nothing)
   config.check_config(cfg)
   lead = jax.process_index() == 0
@@ -106,61 +267,86 @@ def train(cfg: TrainConfig, *, log=print) -> dict:
     plan = _plan_remat(cfg, model, inputs)
     log(str(plan))
   graphdef, state, train_step, eval_step = make_steps(model, optimizer, mesh,
-                                                      wrt=trained(cfg))
+                                                      wrt=trained(cfg),
+                                                      grad_accum=cfg.grad_accum)
   on_mesh = contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
-  start, state, meta = checkpoint.resume(manager, out / "checkpoints", state,
-                                         resume=cfg.resume, log=log)
+  start, state, meta, manager = checkpoint.resume(manager, out / "checkpoints", state,
+                                                  resume=cfg.resume, log=log)
   if meta is not None:
     inputs.check_resume(meta.get("data"))
   # Checked: what the export and generation read back goes into the run.
   inputs_lib.save_tokenizer(cfg, tokenizer)
+  peak = cfg.peak_tflops * 1e12 if cfg.peak_tflops else peak_flops()
   if lead:
     export.write_model_config(model, out)
+    config.write_config_file(cfg, out / "config.yaml")
+    log(f"configuration (written to {out / 'config.yaml'}):\n{config.config_text(cfg)}")
+    if peak is None:
+      log(f"MFU: no peak FLOP/s known for {jax.devices()[0].device_kind}; --peak-tflops gives "
+          f"one")
   history = (meta["history"] if meta is not None
-             else {"step": [], "loss": [], "val_step": [], "val_loss": []})
+             else {"step": [], "loss": [], "val_step": [], "val_loss": [], "skipped": []})
+  history.setdefault("skipped", [])
   eval_batches = inputs.evaluation(mesh)
+  writers = (MetricWriters(out, tensorboard=cfg.tensorboard, wandb=cfg.wandb,
+                           config=cfg.as_dict(), log=log) if lead else None)
+  metrics = _Metrics(cfg, history, writers, model.cfg.flops_per_token(cfg.seq), peak, log,
+                     out / "checkpoints")
 
   def validate(state):
-    return float(np.mean([eval_step(state, b) for b in eval_batches]))
+    return float(np.mean(jax.device_get([eval_step(state, b) for b in eval_batches])))
+
+  def save(step):
+    checkpoint.save_checkpoint(manager, step, state, {
+        "history": history, "config": cfg.as_dict(), "data": inputs.fingerprint})
 
   # Bits per byte for the byte corpus (a token is a byte); nats per token otherwise.
   unit, per = (LN2, "bits/byte") if inputs.corpus is not None else (1.0, "nats/token")
-  tokens_per_step = cfg.batch * cfg.seq
+  end = cfg.stop_at or cfg.steps
   progress = _progress() if lead else None
   started = time.perf_counter()
-  timed_steps, timed_seconds = 0, 0.0
-  with on_mesh, progress or contextlib.nullcontext():
-    task = progress.add_task("train", total=cfg.steps, completed=start, status="") \
-        if progress else None
-    for step in range(start, cfg.stop_at or cfg.steps):
-      batch = inputs.train(step, mesh)
-      t0 = time.perf_counter()
-      state, loss = train_step(state, batch)
-      loss = float(loss)
-      if step > start:  # the first step compiles
-        timed_steps += 1
-        timed_seconds += time.perf_counter() - t0
-      if not math.isfinite(loss):
-        raise FloatingPointError(f"step {step}: the loss is {loss}; lower --lr")
-      history["step"].append(step + 1)
-      history["loss"].append(loss)
-      done = step + 1
-      if eval_batches and (done % cfg.eval_every == 0 or done in (cfg.steps, cfg.stop_at)):
-        history["val_step"].append(done)
-        history["val_loss"].append(validate(state))
-      if done % cfg.save_every == 0 or done in (cfg.steps, cfg.stop_at):
-        checkpoint.save_checkpoint(manager, done, state, {
-            "history": history, "config": cfg.as_dict(), "data": inputs.fingerprint})
-      if progress:
-        rate = tokens_per_step * timed_steps / timed_seconds if timed_seconds else 0.0
-        val = (f" val {history['val_loss'][-1] / unit:.3f}" if history["val_loss"] else "")
-        progress.update(task, completed=done,
-                        status=f"loss {loss / unit:.3f}{val} {per} {rate:,.0f} tok/s")
+  try:
+    with on_mesh, progress or contextlib.nullcontext(), StopSignals() as stop:
+      task = progress.add_task("train", total=cfg.steps, completed=start, status="") \
+          if progress else None
+      for step in range(start, end):
+        state, step_metrics = train_step(state, inputs.train(step, mesh))
+        done = step + 1
+        metrics.add(done, step_metrics)
+        evaluate_now = bool(eval_batches) and (done % cfg.eval_every == 0 or done == end)
+        save_now = done % cfg.save_every == 0 or done == end
+        single_stop = jax.process_count() == 1 and stop.received is not None
+        if not (done % cfg.log_every == 0 or evaluate_now or save_now or single_stop):
+          continue
+        metrics.flush()
+        if evaluate_now:
+          history["val_step"].append(done)
+          history["val_loss"].append(validate(state))
+          if writers is not None:
+            writers.write(done, {"eval/loss": history["val_loss"][-1]})
+        if save_now:
+          save(done)
+        signum = stop.agreed()
+        if signum is not None and done < end:
+          save(done)
+          _write_log(cfg, out, model, inputs, history, mesh, plan,
+                     time.perf_counter() - started, unit, metrics, preempted=done)
+          raise Preempted(done, signum, str(out / "checkpoints"))
+        metrics.restart_clock()
+        if progress:
+          val = (f" val {history['val_loss'][-1] / unit:.3f}" if history["val_loss"] else "")
+          last = history["loss"][-1] / unit if history["loss"] else math.nan
+          rate = f" {metrics.rate:,.0f} tok/s" if metrics.rate else ""
+          mfu = f" MFU {metrics.mfu:.1%}" if metrics.mfu is not None else ""
+          progress.update(task, completed=done, status=f"loss {last:.3f}{val} {per}{rate}{mfu}")
+  finally:
+    if writers is not None:
+      writers.close()
   elapsed = time.perf_counter() - started
   model, _ = nnx.merge(graphdef, state)
-  result = _result(cfg, model, inputs, history, mesh, plan, elapsed, unit,
-                   tokens_per_step * timed_steps / timed_seconds if timed_seconds else None)
-  finished = (cfg.stop_at or cfg.steps) == cfg.steps
+  result = _write_log(cfg, out, model, inputs, history, mesh, plan, elapsed, unit, metrics,
+                      write=False)
+  finished = end == cfg.steps
   if cfg.sample_tokens:
     with on_mesh:
       result["sample"] = sample_text(model, cfg, inputs.sample_tokenizer)
@@ -186,8 +372,9 @@ def _quiet(*args, **kwargs):
   """The log of a process other than 0: nothing."""
 
 
-def _result(cfg, model, inputs, history, mesh, plan, elapsed, unit, rate) -> dict:
-  """The run's log (``train_log.json``)."""
+def _write_log(cfg, out, model, inputs, history, mesh, plan, elapsed, unit, metrics, *,
+               preempted: int | None = None, write: bool = True) -> dict:
+  """The run's log (``train_log.json``), written by process 0 where ``write``."""
   final = history["loss"][-1] if history["loss"] else None
   final_val = history["val_loss"][-1] if history["val_loss"] else None
   result = {
@@ -198,9 +385,13 @@ def _result(cfg, model, inputs, history, mesh, plan, elapsed, unit, rate) -> dic
       "data": inputs.report or "the standard library's bytes",
       "final_loss": final,
       "final_val_loss": final_val,
-      "tokens_per_second": rate,
+      "tokens_per_second": metrics.tokens_per_second,
+      "mfu": metrics.mfu,
+      "model_flops_per_token": metrics.flops_per_token,
+      "peak_flops_per_device": metrics.peak,
       "seconds": elapsed,
       "history": history,
+      "preempted_at": preempted,
       "sample": "",
       "remat_plan": None if plan is None else {
           "choices": list(plan.choices), "budget_bytes": plan.budget_bytes,
@@ -211,4 +402,6 @@ def _result(cfg, model, inputs, history, mesh, plan, elapsed, unit, rate) -> dic
     result["unigram_entropy_bits_per_byte"] = inputs.entropy_bits
     result["final_loss_bits_per_byte"] = None if final is None else final / unit
     result["final_val_loss_bits_per_byte"] = None if final_val is None else final_val / unit
+  if write and jax.process_index() == 0:
+    (Path(out) / "train_log.json").write_text(json.dumps(result, indent=1) + "\n")
   return result

@@ -57,12 +57,22 @@ def trained(cfg: TrainConfig):
   return nnx.LoRAParam if cfg.lora_rank is not None else nnx.Param
 
 
+def schedule(cfg: TrainConfig) -> optax.Schedule:
+  """The learning rate by step: linear warm-up over ``--warmup`` steps to ``--lr``, then cosine
+  decay to 10% of it at ``--steps``."""
+  return optax.warmup_cosine_decay_schedule(0.0, cfg.lr, cfg.warmup, cfg.steps,
+                                            end_value=cfg.lr * 0.1)
+
+
+def learning_rate(cfg: TrainConfig, step: int) -> float:
+  """The learning rate of step ``step`` (counted from 0), as the optimizer applies it."""
+  return float(schedule(cfg)(step))
+
+
 def optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-  """Global-norm clipping, then AdamW on a warm-up + cosine schedule down to 10% of ``--lr``."""
-  schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, cfg.warmup, cfg.steps,
-                                                end_value=cfg.lr * 0.1)
+  """Global-norm clipping, then AdamW on :func:`schedule`."""
   return optax.chain(optax.clip_by_global_norm(cfg.clip),
-                     optax.adamw(schedule, weight_decay=cfg.weight_decay))
+                     optax.adamw(schedule(cfg), weight_decay=cfg.weight_decay))
 
 
 def complete(model: Decoder, tokenizer: Any, prompt: str, *, max_new_tokens: int = 128,
