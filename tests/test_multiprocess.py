@@ -10,6 +10,7 @@ partial or inconsistent set of the options is refused by name before anything st
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -195,3 +196,61 @@ def test_the_command_line_refuses_a_partial_set_before_it_starts(tmp_path, capsy
   assert train.main(["--process-id", "1", "--out", str(tmp_path / "run")]) == 2
   assert "--process-id without --coordinator" in capsys.readouterr().err
   assert not (tmp_path / "run").exists()
+
+
+# SIGTERM reaching one of two processes ---------------------------------------------------------
+
+LONG = [*TINY, "--steps", "80", "--save-every", "1000", "--eval-every", "1000", "--log-every",
+        "1"]
+
+
+def _cli_processes(out: Path, *extra) -> list[subprocess.Popen]:
+  """``python -m jaxfuse.train`` in two processes of 4 CPU devices, joined by
+  ``--coordinator``."""
+  coordinator = f"127.0.0.1:{_free_port()}"
+  env = {k: v for k, v in os.environ.items()
+         if not k.startswith(("JAXFUSE_", "JAX_COORDINATOR")) and k != "XLA_FLAGS"}
+  env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count=4 {FAST_COMPILE}",
+             JAX_PLATFORMS="cpu")
+  return [subprocess.Popen(
+      [sys.executable, "-m", "jaxfuse.train", *LONG, "--out", str(out), "--coordinator",
+       coordinator, "--num-processes", "2", "--process-id", str(i), *extra], cwd=ROOT, env=env,
+      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for i in range(2)]
+
+
+def _finish(processes: list[subprocess.Popen]) -> list[tuple[int, str]]:
+  try:
+    return [(p.wait(timeout=TIMEOUT), p.stderr.read()) for p in processes]
+  finally:
+    for p in processes:
+      if p.poll() is None:
+        p.kill()
+
+
+def test_sigterm_to_one_process_saves_the_same_step_on_both(tmp_path):
+  """SIGTERM reaches process 1 only: both stop after the same step, both write their shards of
+  its checkpoint, and two processes resuming from it get the uninterrupted run's losses."""
+  stopped = _cli_processes(tmp_path / "stopped")
+  metrics = tmp_path / "stopped" / "metrics.jsonl"
+  deadline = time.monotonic() + TIMEOUT
+  try:
+    while not (metrics.is_file() and metrics.read_text().count('"train/loss"') >= 3):
+      assert all(p.poll() is None for p in stopped), "a process ended early"
+      assert time.monotonic() < deadline, f"no step after {TIMEOUT} s"
+      time.sleep(0.05)
+    stopped[1].send_signal(signal.SIGTERM)
+  finally:
+    ended = _finish(stopped)
+  assert [code for code, _ in ended] == [128 + signal.SIGTERM] * 2, [e[-2000:] for _, e in ended]
+  at = json.loads((tmp_path / "stopped" / "train_log.json").read_text())["preempted_at"]
+  assert 3 <= at < 80 and all(f"after step {at}" in err for _, err in ended)
+  state = tmp_path / "stopped" / "checkpoints" / str(at) / "state"
+  assert sorted(p.name for p in state.glob("ocdbt.process_*")) == ["ocdbt.process_0",
+                                                                     "ocdbt.process_1"]
+  whole = _finish(_cli_processes(tmp_path / "whole"))
+  resumed = _finish(_cli_processes(tmp_path / "stopped", "--resume"))
+  assert [code for code, _ in whole + resumed] == [0] * 4, [e[-2000:] for _, e in whole + resumed]
+  want = json.loads((tmp_path / "whole" / "train_log.json").read_text())["history"]
+  got = json.loads((tmp_path / "stopped" / "train_log.json").read_text())["history"]
+  assert got["step"] == want["step"] == list(range(1, 81))
+  assert got["loss"] == want["loss"]
