@@ -42,6 +42,21 @@ def test_training_command_lines_parse():
     train._check(cfg)
 
 
+def test_configuration_files_read_as_written(tmp_path):
+  """Each YAML block of the README is a configuration file ``--config`` reads, and its first
+  line's command line runs it with the file's options."""
+  blocks = _blocks(ROOT / "README.md", "yaml")
+  assert blocks
+  for i, block in enumerate(blocks):
+    path = tmp_path / f"block{i}.yaml"
+    path.write_text(block)
+    values = train.read_config_file(path)
+    assert values
+    cfg = train.parse_args(["--config", str(path)])
+    assert all(getattr(cfg, k) == v for k, v in values.items())
+    train._check(cfg)
+
+
 FINE_TUNE_MARKER = "<!-- fine-tune example"
 
 

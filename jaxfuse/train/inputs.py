@@ -64,9 +64,10 @@ def save_tokenizer(cfg: TrainConfig, tokenizer: Any) -> None:
 @dataclasses.dataclass
 class Inputs:
   """A run's batches. ``train(step, mesh)`` and ``evaluation(mesh)`` give dicts of placed
-  ``[batch x grad_accum, seq]`` arrays (a step's rows; the step splits them into micro-batches) (:data:`BATCH_KEYS`; the byte corpus has no positions or segment
-  ids); ``fingerprint`` names the data, its packing, batch size and seed (a checkpoint records
-  it); ``entropy_bits`` is the byte corpus' unigram entropy (None for ``--data``)."""
+  ``[batch x grad_accum, seq]`` arrays, a step's rows, which the step splits into micro-batches
+  (:data:`BATCH_KEYS`; the byte corpus has no positions or segment ids); ``fingerprint`` names
+  the data, its packing, batch size and seed (a checkpoint records it); ``entropy_bits`` is the
+  byte corpus' unigram entropy (None for ``--data``)."""
 
   cfg: TrainConfig
   tokenizer: Any

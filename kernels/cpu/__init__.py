@@ -177,7 +177,7 @@ def _file_lock(path: pathlib.Path):
     os.close(fd)
 
 
-# The compiler ---------------------------------------------------------------------------------------
+# The compiler -------------------------------------------------------------------------------------
 
 # What the sources need, in a few lines: the probe compiles it before the first build.
 PROBE = r"""
@@ -306,7 +306,7 @@ def _compile(command: list[str], source: pathlib.Path, target: pathlib.Path) -> 
       os.unlink(tmp)
 
 
-# Loading ---------------------------------------------------------------------------------------------
+# Loading ------------------------------------------------------------------------------------------
 
 _warned: set[str] = set()
 
