@@ -216,3 +216,22 @@ def test_the_cache_key_holds_the_cpu(tmp_path, monkeypatch, text, other):
     keys.append(cpu._key(source, ["c++"]))
   cpu._host.cache_clear()
   assert keys[0] != keys[1] and keys[0] == keys[2]
+
+
+@needs_gxx
+def test_the_command_line_builds_ahead_of_time(tmp_path, monkeypatch, capsys):
+  """``python -m jaxfuse.kernels.cpu``: builds into the cache (a later process loads it), names
+  an unknown family, and exits 1 with the compiler's message."""
+  from jaxfuse.kernels.cpu import __main__ as build_cli
+
+  monkeypatch.setenv("JAXFUSE_CACHE_DIR", str(tmp_path / "cache"))
+  monkeypatch.delenv("CXX", raising=False)
+  assert build_cli.main(["normalization"]) == 0
+  built = list((tmp_path / "cache" / "cpu-kernels").glob("normalization-*.so"))
+  assert len(built) == 1 and str(built[0]) in capsys.readouterr().out
+  with pytest.raises(SystemExit):
+    build_cli.main(["no_such_family"])
+  assert "no CPU kernel family no_such_family" in capsys.readouterr().err
+  monkeypatch.setenv("CXX", _script(tmp_path / "broken", 'echo "broken: no way" >&2\nexit 1\n'))
+  assert build_cli.main(["gated_linear"]) == 1
+  assert "broken: no way" in capsys.readouterr().err

@@ -2,6 +2,7 @@
 TensorBoard and W&B logs, preemption by SIGTERM, an unreadable latest checkpoint, non-finite
 losses, the model FLOPs behind the MFU."""
 
+import dataclasses
 import json
 import os
 import signal
@@ -14,6 +15,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from jaxfuse import train
 from jaxfuse.metrics.jaxprs import sub_jaxprs
@@ -21,15 +23,9 @@ from jaxfuse.models import Decoder, DecoderConfig
 from jaxfuse.train import checkpoint, cli, loop, writers
 from jaxfuse.train import model as model_lib
 
+from tests.test_train import TINY, _run
+
 ROOT = Path(__file__).resolve().parent.parent
-TINY = ["--steps", "6", "--batch", "2", "--seq", "16", "--d-model", "16", "--layers", "1",
-        "--heads", "2", "--kv-heads", "1", "--mlp", "32", "--warmup", "2", "--eval-every", "3",
-        "--eval-batches", "2", "--save-every", "3", "--sample-tokens", "0"]
-
-
-def _run(tmp_path, name, *extra):
-  cfg = train.parse_args([*TINY, "--out", str(tmp_path / name), *extra])
-  return train.train(cfg, log=lambda *_: None)
 
 
 # Configuration files -------------------------------------------------------------------------
@@ -52,7 +48,6 @@ def test_a_config_file_and_overrides_run_as_the_flags(tmp_path):
                                 "--out", str(tmp_path / "yaml")])
   from_toml = train.parse_args(["--config", str(tmp_path / "run.toml"), "--lr", "0.005",
                                 "--out", str(tmp_path / "toml")])
-  import dataclasses
   assert dataclasses.replace(from_yaml, out=flags.out) == flags
   assert dataclasses.replace(from_toml, out=flags.out) == flags
   by_flags = train.train(flags, log=lambda *_: None)
@@ -242,7 +237,7 @@ def test_model_flops_per_token_count_the_forward_pass():
                             mlp_dim=48),
               DecoderConfig(vocab_size=64, d_model=16, num_layers=1, num_heads=2, mlp_dim=24,
                             head_dim=12, tie_embeddings=True)):
-    model = Decoder(cfg, fused=False, rngs=__import__("flax").nnx.Rngs(0))
+    model = Decoder(cfg, fused=False, rngs=nnx.Rngs(0))
     tokens = np.zeros((1, 1), np.int32)
     counted = _matmul_flops(jax.make_jaxpr(lambda t: model.logits(t))(tokens).jaxpr)
     assert cfg.flops_per_token(1, training=False) == counted

@@ -32,7 +32,7 @@ Rows of ``lora-r16`` (rank 16, alpha 32 on q, k, v, o, gate, up and down; the ba
 the same three, ``jaxfuse-xla`` and ``jax-unfused`` with :func:`jaxfuse.nnx.apply_lora`,
 ``torch-eager`` with ``peft.get_peft_model`` holding the same adapters.
 
-A JAX step is :func:`jaxfuse.train.loop.make_steps` (one jit of ``nnx.value_and_grad`` over the
+A JAX step is :func:`jaxfuse.train.loop.make_steps` (one jit of ``jax.value_and_grad`` over the
 ``nnx.Param`` variables, or only the ``nnx.LoRAParam`` ones, and the optimizer's update, its
 state donated) with :func:`jaxfuse.train.model.optimizer`: global-norm clipping (1.0), then
 AdamW (weight decay 0.01) on a warm-up + cosine schedule. torch's step is ``zero_grad``,
@@ -241,9 +241,9 @@ class JaxTrainer:
 
   def step(self):
     batch = self.data[len(self.losses) % len(self.data)]
-    self.state, loss = self.train(self.state, batch)
-    self.losses.append(loss)
-    return loss, self.state
+    self.state, metrics = self.train(self.state, batch)
+    self.losses.append(metrics["loss"])
+    return metrics["loss"], self.state
 
   def loss_values(self) -> list[float]:
     return [float(x) for x in self.losses]

@@ -103,7 +103,8 @@ def make_steps(model: Decoder, optimizer: nnx.Optimizer,
   graphdef, state = nnx.split((model, optimizer))
 
   def loss_fn(params, rest, batch):
-    return nnx.merge(module_def, params, rest)(**batch)
+    # Variables of this trace (copies), which nnx.remat inside the model may update.
+    return nnx.merge(module_def, params, rest, copy=True)(**batch)
 
   module_def, _, _ = nnx.split(model, wrt, ...)
 
