@@ -96,7 +96,8 @@ def make_steps(model: Decoder, optimizer: nnx.Optimizer,
 
   ``metrics`` holds the step's ``loss``, the gradient's global norm ``grad_norm`` (before
   clipping), its ``loss_tokens`` and whether it was ``applied``: a step whose loss or gradient
-  is not finite leaves the state as it was. With ``grad_accum`` N the batch's rows are N
+  is not finite leaves the model as it was (with :func:`jaxfuse.train.model.optimizer`, whose
+  ``optax.apply_if_finite`` rejects it). With ``grad_accum`` N the batch's rows are N
   micro-batches (:func:`micro_batches`), scanned in the step and in ``evaluate``. With a
   ``mesh``, the state is placed there by its logical axes (and kept so by ``train``). Call them
   under ``jax.set_mesh(mesh)``: the model reads the mesh as it traces."""
@@ -109,7 +110,6 @@ def make_steps(model: Decoder, optimizer: nnx.Optimizer,
   module_def, _, _ = nnx.split(model, wrt, ...)
 
   def train(state, batch):
-    before, structure = jax.tree.flatten(state)   # the arrays, before the update replaces them
     model, optimizer = nnx.merge(graphdef, state)
     _, params, rest = nnx.split(model, wrt, ...)
     if grad_accum == 1:
@@ -118,15 +118,14 @@ def make_steps(model: Decoder, optimizer: nnx.Optimizer,
       loss, grads = _accumulated(lambda p, b: loss_fn(p, rest, b), params, batch, grad_accum,
                                  grad=True)
     grad_norm = optax.tree.norm(grads)
-    applied = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    # The optimizer rejects a gradient that is not finite everywhere (optax.apply_if_finite:
+    # the state stays as it was); a loss that is not finite rejects the step as well.
+    grads = jax.tree.map(lambda g: jnp.where(jnp.isfinite(loss), g, jnp.nan), grads)
+    applied = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
     optimizer.update(model, grads)
-    # A step that is not applied keeps the state; elementwise, so that XLA fuses it into the
-    # update's loops.
-    after = jax.tree.leaves(nnx.state((model, optimizer)))
-    new = structure.unflatten([jnp.where(applied, a, b) for a, b in zip(after, before)])
     tokens = jnp.sum(batch["targets"] != IGNORE_INDEX)
-    return new, {"loss": loss, "grad_norm": grad_norm, "loss_tokens": tokens,
-                 "applied": applied}
+    return nnx.state((model, optimizer)), {"loss": loss, "grad_norm": grad_norm,
+                                           "loss_tokens": tokens, "applied": applied}
 
   def evaluate(state, batch):
     model, _ = nnx.merge(graphdef, state)

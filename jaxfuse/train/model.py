@@ -4,7 +4,8 @@ The model is :class:`jaxfuse.models.Decoder`, from scratch or ``--init-from`` a 
 directory (its MoE layers keeping the experts' products ``--expert-keep`` names), with the
 recomputation the options ask for and, with ``--lora-rank``, LoRA adapters
 (:func:`jaxfuse.nnx.apply_lora`). The optimizer is optax AdamW with linear warm-up, cosine
-decay and global-norm gradient clipping, in an ``nnx.Optimizer`` over the ``nnx.Param``
+decay and global-norm gradient clipping, rejecting a gradient that is not finite, in an
+``nnx.Optimizer`` over the ``nnx.Param``
 variables (only the ``nnx.LoRAParam`` adapters with LoRA: the base stays frozen).
 """
 
@@ -69,10 +70,17 @@ def learning_rate(cfg: TrainConfig, step: int) -> float:
   return float(schedule(cfg)(step))
 
 
+# apply_if_finite's limit on consecutive rejected steps, past which it would apply them: never
+# reached (the training loop stops a run past --skip-nonfinite rejected steps in all).
+_NEVER = 2**30
+
+
 def optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-  """Global-norm clipping, then AdamW on :func:`schedule`."""
-  return optax.chain(optax.clip_by_global_norm(cfg.clip),
-                     optax.adamw(schedule(cfg), weight_decay=cfg.weight_decay))
+  """Global-norm clipping, then AdamW on :func:`schedule`; a gradient that is not finite
+  everywhere is rejected (``optax.apply_if_finite``: no update, the state as it was)."""
+  return optax.apply_if_finite(
+      optax.chain(optax.clip_by_global_norm(cfg.clip),
+                  optax.adamw(schedule(cfg), weight_decay=cfg.weight_decay)), _NEVER)
 
 
 def complete(model: Decoder, tokenizer: Any, prompt: str, *, max_new_tokens: int = 128,
