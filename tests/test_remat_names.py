@@ -50,6 +50,7 @@ _Q, _K, _V = (_normal(5, (B, T, H, D), jnp.bfloat16), _normal(6, (B, T, KVH, D),
 _XM = _normal(8, (B, T, F))
 _WG, _WU, _WD = _normal(9, (F, HIDDEN)), _normal(10, (F, HIDDEN)), _normal(11, (HIDDEN, OUT))
 _BU = 0.1 * _normal(12, (HIDDEN,))
+_HEAD, _TOKENS = 0.1 * _normal(13, (OUT, F)), jnp.arange(B * T).reshape(B, T) % OUT
 
 _NORM_TAGS = {names.NORM_INPUT: ((B, T, F), BF16), names.NORM_RSTD: ((B, T, 1), F32),
               names.NORM_OUT: ((B, T, F), BF16)}
@@ -77,6 +78,9 @@ OPS = {
         (_XM, _WU, _BU, _WD),
         {names.MLP_PRE: ((B, T, HIDDEN), F32), names.MLP_HIDDEN: ((B, T, HIDDEN), F32),
          names.MLP_DOWN: ((B, T, OUT), F32)}),
+    "linear_log_probs": (
+        lambda h, w: ops.linear_log_probs(h, w, _TOKENS, return_entropy=True), (_XM, _HEAD),
+        {names.LOGP_LSE: ((B * T,), F32), names.LOGP_MEAN_LOGIT: ((B * T,), F32)}),
 }
 
 

@@ -212,7 +212,7 @@ def test_stats_launch_plumbing(recording):
   assert (call["num_warps"], call["num_stages"]) == (4, 2)
   assert all(x is e for x, e in zip(call["args"], (h, w, b, y), strict=True))
   assert _constants(call) == dict(N=100, V=1000, D=48, BT=64, BV=128, BD=32, SOFTCAP=30.0,
-                                  HAS_BIAS=True, PRECISION="tf32")
+                                  SCALE=1.0, ENTROPY=False, HAS_BIAS=True, PRECISION="tf32")
   assert [(s.shape, s.dtype) for s in call["out_shape"]] == [((100,), jnp.float32)] * 3 + [
       ((100,), jnp.int32)]
   assert len(outs) == 4 and outs[3].dtype == jnp.int32
@@ -241,7 +241,8 @@ def test_logit_grad_launch_plumbing(recording):
   assert call["args"][2] is h  # stands in for the absent bias
   # Tiles at least 16 wide (tl.dot's smallest) even for 5 tokens, 20 words and 8 features.
   assert _constants(call) == dict(N=5, V=20, D=8, BT=16, BV=32, BD=16, SOFTCAP=0.0,
-                                  HAS_BIAS=False, SMOOTHING=False, PRECISION="ieee")
+                                  SCALE=1.0, ENTROPY=False, HAS_BIAS=False, SMOOTHING=False,
+                                  PRECISION="ieee")
   assert [(s.shape, s.dtype) for s in call["out_shape"]] == [((5, 20), jnp.float16)]
   assert dz.shape == (5, 20) and dz.dtype == jnp.float16
 

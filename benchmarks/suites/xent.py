@@ -1,4 +1,5 @@
-"""Fused linear cross-entropy: ``loss = cross_entropy(h @ W.T, labels)``, forward + backward.
+"""The ops on the LM head: fused linear cross-entropy, ``loss = cross_entropy(h @ W.T,
+labels)``, and per-token log-probabilities with entropies, forward + backward.
 
 Cases are named ``N=<tokens> D=<hidden> V=<vocabulary>``; every row times one jit-compiled
 forward + backward (loss, dh, dW) and reports the bytes its backward keeps alive:
@@ -25,6 +26,14 @@ forward + backward (loss, dh, dW) and reports the bytes its backward keeps alive
 - ``torch-eager`` (the error reference) and ``torch-compile``:
   ``F.cross_entropy(h @ W.T, labels)``.
 
+Cases named ``log_probs+entropy N=... D=... V=...`` time
+:func:`jaxfuse.ops.linear_log_probs` with ``temperature=0.9`` and ``return_entropy=True``, in the
+step of a policy-gradient loss with an entropy bonus (``-(sum(log p) + 0.01 sum(H)) / N``):
+``jax-unfused`` is :func:`jaxfuse.ops.linear_log_probs_reference` (full logits),
+``torch-eager`` and ``torch-compile`` are TRL's ``selective_log_softmax`` and
+``entropy_from_logits`` on the full logits (the installed TRL's functions, as its trainers
+compute them), and the kernel rows as above.
+
 Errors are max absolute differences against torch-eager in float32 (loss; dh and dW). The note
 of each jaxfuse row gives its time relative to torch-eager and the largest gradient error in
 units of the float32 test tolerance ``1e-5 + 1e-5 * |torch|`` (<= 1 passes). JAX rows also
@@ -46,7 +55,8 @@ from benchmarks import records as rec
 from benchmarks import triton_interpreted
 from benchmarks.records import Record
 from jaxfuse import metrics
-from jaxfuse.ops import dispatch, linear_cross_entropy
+from jaxfuse.ops import (dispatch, linear_cross_entropy, linear_log_probs,
+                         linear_log_probs_reference)
 
 SUITE = "xent"
 REFERENCE = "torch-eager"
@@ -62,6 +72,10 @@ INTERPRET_SHAPE = (64, 64, 1000)
 # torch's float32 matmuls are full precision, and tokamax, which takes no precision argument, is
 # traced and run under jax.default_matmul_precision.
 TOKAMAX_PRECISION = "highest"
+
+
+# The log-probability rows: their temperature and the entropy bonus of their objective.
+TEMPERATURE, ENTROPY_BONUS = 0.9, 0.01
 
 
 def _cases(ctx):
@@ -132,44 +146,78 @@ def _losses(y, **options) -> dict[str, Callable]:
   return harness.jaxfuse_rows("linear_cross_entropy", loss)
 
 
+def _policy_objective(logp, entropy):
+  """A policy-gradient loss with an entropy bonus, of per-token log-probs and entropies."""
+  return -(logp.sum() + ENTROPY_BONUS * entropy.sum()) / logp.shape[0]
+
+
+def _log_prob_losses(y) -> dict[str, Callable]:
+  """The log-probability rows' objective of (h, w) for each implementation the op has."""
+  def loss(h, w, *, implementation):
+    return _policy_objective(*linear_log_probs(h, w, y, temperature=TEMPERATURE,
+                                               return_entropy=True,
+                                               implementation=implementation))
+  return harness.jaxfuse_rows("linear_log_probs", loss)
+
+
+def _plain_log_probs(h, w, y):
+  return _policy_objective(*linear_log_probs_reference(h, w, y, temperature=TEMPERATURE,
+                                                       return_entropy=True))
+
+
+def _torch_log_probs(h, w, y):
+  """TRL's functions on the full logits: what its trainers compute."""
+  from trl.trainer.utils import entropy_from_logits, selective_log_softmax
+
+  logits = h @ w.T
+  return _policy_objective(selective_log_softmax(logits, y, temperature=TEMPERATURE),
+                           entropy_from_logits(logits / TEMPERATURE))
+
+
+# The two problems of the suite: (jaxfuse rows of y, the plain-JAX loss, the torch loss).
+PROBLEMS = {"cross_entropy": (_losses, _plain, _torch_loss),
+            "log_probs": (_log_prob_losses, _plain_log_probs, _torch_log_probs)}
+
+
 @functools.cache
-def _small_figures(name: str):
+def _small_figures(name: str, problem: str = "cross_entropy"):
   """``(out_err, grad_err, tolerance units, bytes)`` of a kernel row at INTERPRET_SHAPE against
   torch (the same for every case): with Pallas' kernels in interpret mode (bytes None), or the
   Triton kernels in Triton's interpreter (their bytes counted there)."""
+  rows, _, torch_loss = PROBLEMS[problem]
   n, d, v = INTERPRET_SHAPE
   h, w, y = _inputs(n, d, v, seed=1)
-  loss = _losses(y)[name]
+  loss = rows(y)[name]
   if harness.kernel_kind(name).interpretable:
     with dispatch.pallas_interpret():
       got, moved = harness.jax_step(loss)((h, w)), None
   else:
     got, traffic = triton_interpreted.run_step(loss, (h, w))
     moved = traffic.bytes
-  want = harness.torch_step(_torch_loss, n_diff=2)(_torch_setup(h, w, y))
+  want = harness.torch_step(torch_loss, n_diff=2)(_torch_setup(h, w, y))
   out_err, grad_err = harness.errors(got, want)
   return out_err, grad_err, _tolerance_units(got[1], want[1]), moved
 
 
-def _case(ctx, n, d, v, with_peers) -> list[Record]:
+def _case(ctx, n, d, v, with_peers, problem: str = "cross_entropy") -> list[Record]:
   import torch
 
-  case = f"N={n} D={d} V={v}"
+  rows, plain, torch_loss = PROBLEMS[problem]
+  case = f"N={n} D={d} V={v}" if problem == "cross_entropy" else \
+      f"log_probs+entropy N={n} D={d} V={v}"
   ctx.step(case)
   h, w, y = _inputs(n, d, v)
   t_args = _torch_setup(h, w, y)
 
-  jaxfuse = _losses(y)
+  jaxfuse = rows(y)
   kernels = [name for name in jaxfuse if harness.kernel_kind(name) is not None]
-  losses = {
-      BASELINE: lambda h, w: _plain(h, w, y),
-      "jaxfuse-xla": jaxfuse["jaxfuse-xla"],
-      GRAD_IN_FORWARD: _losses(y, grad_in_forward=True)["jaxfuse-xla"],
-  }
+  losses = {BASELINE: lambda h, w: plain(h, w, y), "jaxfuse-xla": jaxfuse["jaxfuse-xla"]}
+  if problem == "cross_entropy":
+    losses[GRAD_IN_FORWARD] = _losses(y, grad_in_forward=True)["jaxfuse-xla"]
   losses.update((name, jaxfuse[name]) for name in kernels
                 if ctx.native(harness.kernel_kind(name).name))
   steps = {name: (harness.jax_step(loss), (h, w)) for name, loss in losses.items()}
-  tokamax_loss = _tokamax_loss() if with_peers else None
+  tokamax_loss = _tokamax_loss() if with_peers and problem == "cross_entropy" else None
   if tokamax_loss is not None:
     w_t = jnp.asarray(w.T)
     losses["tokamax-xla"] = lambda h, w_t: tokamax_loss(h, w_t, y)
@@ -191,9 +239,9 @@ def _case(ctx, n, d, v, with_peers) -> list[Record]:
                             "and kept; its chunked kernel is TPU-only; matmuls at float32 "
                             f"{TOKAMAX_PRECISION} precision through jax.default_matmul_precision "
                             "(it takes no precision argument), as every row's")
-  torch_losses = {"torch-eager": _torch_loss}
+  torch_losses = {"torch-eager": torch_loss}
   if with_peers:
-    torch_losses["torch-compile"] = torch.compile(_torch_loss)
+    torch_losses["torch-compile"] = torch.compile(torch_loss)
   candidates = {name: functools.partial(step, args) for name, (step, args) in steps.items()}
   for name, loss in torch_losses.items():
     step = harness.torch_step(loss, n_diff=2)
@@ -231,18 +279,18 @@ def _case(ctx, n, d, v, with_peers) -> list[Record]:
     if ctx.native(kind.name):
       continue
     if kind.interpretable:
-      small[name] = _small_figures(name)
+      small[name] = _small_figures(name, problem)
       notes[name] = (f"CPU: no time (needs a GPU); errors from interpret mode at "
                      f"{_small_where()} (grad err {small[name][2]:.2f} x fp32 tol)")
     elif triton_interpreted.available():
       ctx.step(f"{case}: Triton interpreter run at {_small_where()}")
-      small[name] = _small_figures(name)
+      small[name] = _small_figures(name, problem)
       notes[name] = (triton_interpreted.NOTE.format(where=_small_where())
                      + f" (grad err {small[name][2]:.2f} x fp32 tol)")
     else:
       notes[name] = "not run: Triton needs a GPU (or triton, for its interpreter)"
 
-  peaks = _peaks(steps, t_args) if ctx.platform == "gpu" else {}
+  peaks = _peaks(steps, t_args, torch_loss) if ctx.platform == "gpu" else {}
   reference = outputs["torch-eager"]
   torch_ms = (times.get("torch-eager") or {}).get("median")
   records = []
@@ -250,6 +298,8 @@ def _case(ctx, n, d, v, with_peers) -> list[Record]:
            "torch-compile"]
   for name in order:
     if name in ("tokamax-xla", "torch-compile") and not with_peers:
+      continue
+    if problem != "cross_entropy" and name in ("tokamax-xla", GRAD_IN_FORWARD):
       continue
     out = outputs.get(name)
     kind = harness.kernel_kind(name)
@@ -300,7 +350,7 @@ def _small_where() -> str:
   return "N={} D={} V={}".format(*INTERPRET_SHAPE)
 
 
-def _peaks(steps, t_args):
+def _peaks(steps, t_args, torch_loss):
   """GPU only: XLA's compiled footprint (arguments + outputs + temporaries) for JAX rows, and
   torch's peak allocation for torch-eager; ``name -> (bytes, source)``."""
   import torch
@@ -313,20 +363,23 @@ def _peaks(steps, t_args):
                    "(jaxfuse.metrics.compiled_memory)")
   if torch.cuda.is_available():
     torch.cuda.reset_peak_memory_stats()
-    harness.torch_step(_torch_loss, n_diff=2)(t_args)
+    harness.torch_step(torch_loss, n_diff=2)(t_args)
     peaks["torch-eager"] = (int(torch.cuda.max_memory_allocated()),
                             "torch.cuda.max_memory_allocated over one step, after a reset")
   return peaks
 
 
 def headline(records) -> list[Record]:
-  """Every row of the main case (MAIN_CASE: N=8192 D=1024 V=32000)."""
+  """Every row of the main cases (MAIN_CASE: N=8192 D=1024 V=32000, both problems)."""
   main = "N={} D={} V={}".format(*MAIN_CASE)
-  return [r for r in records if r.case == main]
+  return [r for r in records if r.case in (main, f"log_probs+entropy {main}")]
 
 
 def run(ctx) -> list[Record]:
   records = []
   for n, d, v, with_peers in _cases(ctx):
     records += _case(ctx, n, d, v, with_peers)
+  # The log-probability rows at the main case (and, in full, at a larger vocabulary).
+  for n, d, v in [MAIN_CASE] + ([] if ctx.quick else [(4096, 1024, 128256)]):
+    records += _case(ctx, n, d, v, True, problem="log_probs")
   return records

@@ -5,6 +5,7 @@ and ``"cpu"`` for the ops with CPU kernels."""
 from jaxfuse.ops import activations, names
 from jaxfuse.ops.bias_activation import bias_act, bias_act_reference
 from jaxfuse.ops.cross_entropy import (linear_cross_entropy, linear_cross_entropy_reference,
+                                       linear_log_probs, linear_log_probs_reference,
                                        linear_logits)
 from jaxfuse.ops.dispatch import (IMPLEMENTATIONS, ImplementationUnavailableError, can_run,
                                   pallas_interpret)
@@ -55,6 +56,8 @@ __all__ = [
     "layer_norm_reference",
     "linear_cross_entropy",
     "linear_cross_entropy_reference",
+    "linear_log_probs",
+    "linear_log_probs_reference",
     "linear_logits",
     "linear_reference",
     "lora_dense",

@@ -33,6 +33,8 @@ name             value                                                 tagged by
 ``moe.up``       the experts' up projections (grouped)                 :mod:`jaxfuse.blocks.moe`
 ``moe.hidden``   the experts' hidden activations (unfused)             :mod:`jaxfuse.blocks.moe`
 ``moe.down``     the experts' outputs, before they are combined        :mod:`jaxfuse.blocks.moe`
+``logp.lse``     float32 per-token logsumexp of the LM head's logits   :func:`~jaxfuse.ops.linear_log_probs`
+``logp.mean_logit``  float32 per-token mean logit under the softmax    :func:`~jaxfuse.ops.linear_log_probs`
 ===============  ====================================================  ==========================
 
 The fused MoE layer computes the experts' whole MLP as one op
@@ -76,10 +78,13 @@ MOE_HIDDEN = "moe.hidden"
 # The experts' products that the fused layer's op may keep (its ``keep``), by their short names.
 MOE_PRODUCTS = {"gate": MOE_GATE, "up": MOE_UP}
 MOE_DOWN = "moe.down"
+LOGP_LSE = "logp.lse"
+LOGP_MEAN_LOGIT = "logp.mean_logit"
 
 ALL = (BLOCK_INPUT, NORM_INPUT, NORM_MEAN, NORM_RSTD, NORM_OUT, ATTN_Q, ATTN_K, ATTN_V,
        ATTN_OUT, ATTN_LSE, ATTN_PROJ, MLP_GATE, MLP_UP, MLP_PRE, MLP_HIDDEN, MLP_DOWN, LORA_XA,
-       MOE_ROUTER, MOE_ROUTING, MOE_ROUTED, MOE_GATE, MOE_UP, MOE_HIDDEN, MOE_DOWN)
+       MOE_ROUTER, MOE_ROUTING, MOE_ROUTED, MOE_GATE, MOE_UP, MOE_HIDDEN, MOE_DOWN, LOGP_LSE,
+       LOGP_MEAN_LOGIT)
 
 
 def moe_products(keep, what: str = "keep") -> tuple[str, ...]:

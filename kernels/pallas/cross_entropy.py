@@ -2,11 +2,14 @@
 
 - ``stats_forward``: one program per block of tokens walks the vocabulary in tiles. Each tile's
   logits ``h @ w.T (+ bias)`` are made in registers (a loop over the hidden dimension), soft-
-  capped, and folded into an online logsumexp, the target logit (gathered where the column is
-  the label), the sum of the logits and the running argmax. No logits reach memory.
+  capped, scaled (an inverse temperature), and folded into an online logsumexp, the target
+  logit (gathered where the column is the label), the sum of the logits (or, for the entropy,
+  their mean under the softmax, rescaled online like the logsumexp) and the running argmax. No
+  logits reach memory.
 - ``logit_grad``: one program per (token block, vocabulary tile) recomputes that tile's logits
-  and writes the logit gradient ``a * softmax - b * onehot(label) - c`` (times the soft-cap
-  derivative) for a chunk of tokens; the caller multiplies it into ``dh`` and ``dweight``.
+  and writes the logit gradient ``a * softmax - b * onehot(label) - c`` (or, for the entropy,
+  ``softmax * (a + c * logit) - b * onehot(label)``), times the scale's and the soft-cap's
+  derivatives, for a chunk of tokens; the caller multiplies it into ``dh`` and ``dweight``.
 
 ``h`` and ``w`` are read through whole-array refs in power-of-2 tiles whose tails (tokens,
 vocabulary, hidden) are masked, so no size needs to be a multiple of a block.
@@ -52,8 +55,10 @@ def _warps(num_warps, dtype) -> int:
   return GPU_WARPS_F32 if jnp.dtype(dtype) == jnp.float32 else GPU_WARPS
 
 
-def _tile_logits(h_ref, w_ref, b_ref, row0, rows_ok, col0, cols_ok, *, bt, bv, bd, d, softcap):
-  """The [bt, bv] logits of one tile in float32, soft-capped; a loop over the hidden axis."""
+def _tile_logits(h_ref, w_ref, b_ref, row0, rows_ok, col0, cols_ok, *, bt, bv, bd, d, softcap,
+                 scale=None):
+  """The [bt, bv] logits of one tile in float32, soft-capped, then times ``scale``; a loop over
+  the hidden axis."""
 
   def step(k, acc):
     d0 = k * bd
@@ -76,10 +81,23 @@ def _tile_logits(h_ref, w_ref, b_ref, row0, rows_ok, col0, cols_ok, *, bt, bv, b
     m = jnp.expm1(-2.0 * jnp.abs(x))
     t = -m / (2.0 + m)
     acc = softcap * jnp.where(x < 0, -t, t)
+  if scale is not None:
+    acc = acc * scale
   return acc
 
 
-def _stats_kernel(*refs, n, v, d, bt, bv, bd, softcap, has_bias):
+def _chain(dz, z, *, softcap, scale):
+  """``dz`` (the gradient of the scaled logits ``z``) times the derivatives of the scale and of
+  the soft-cap: the gradient of the raw logits."""
+  if scale is not None:
+    dz = dz * scale
+  if softcap is not None:
+    t = z * (1.0 / (softcap * (scale if scale is not None else 1.0)))
+    dz = dz * (1.0 - t * t)
+  return dz
+
+
+def _stats_kernel(*refs, n, v, d, bt, bv, bd, softcap, scale, entropy, has_bias):
   if has_bias:
     h_ref, w_ref, b_ref, y_ref, lse_ref, tgt_ref, sum_ref, arg_ref = refs
   else:
@@ -95,13 +113,18 @@ def _stats_kernel(*refs, n, v, d, bt, bv, bd, softcap, has_bias):
     cols = col0 + lax.broadcasted_iota(jnp.int32, (bv,), 0)
     cols_ok = cols < v
     z = _tile_logits(h_ref, w_ref, b_ref, row0, rows_ok, col0, cols_ok, bt=bt, bv=bv, bd=bd,
-                     d=d, softcap=softcap)
+                     d=d, softcap=softcap, scale=scale)
     z = jnp.where(cols_ok[None, :], z, -jnp.inf)
     tile_max = jnp.max(z, axis=1)
     m_new = jnp.maximum(m, tile_max)
-    s = s * jnp.exp(m - m_new) + jnp.sum(jnp.exp(z - m_new[:, None]), axis=1)
+    rescale = jnp.exp(m - m_new)
+    e = jnp.exp(z - m_new[:, None])
+    s = s * rescale + jnp.sum(e, axis=1)
     target = target + jnp.sum(jnp.where(cols[None, :] == labels[:, None], z, 0.0), axis=1)
-    total = total + jnp.sum(jnp.where(cols_ok[None, :], z, 0.0), axis=1)
+    if entropy:   # sum(exp(z - m) * z), rescaled as s is: the softmax's mean logit times s
+      total = total * rescale + jnp.sum(e * jnp.where(cols_ok[None, :], z, 0.0), axis=1)
+    else:
+      total = total + jnp.sum(jnp.where(cols_ok[None, :], z, 0.0), axis=1)
     first = jnp.min(jnp.where(z == tile_max[:, None], cols[None, :], _INT_MAX), axis=1)
     best = jnp.where(tile_max > m, first, best)
     return m_new, s, target, total, best
@@ -112,7 +135,7 @@ def _stats_kernel(*refs, n, v, d, bt, bv, bd, softcap, has_bias):
   m, s, target, total, best = lax.fori_loop(0, pl.cdiv(v, bv), tile, init)
   pl_triton.store(lse_ref, m + jnp.log(s), mask=rows_ok)
   pl_triton.store(tgt_ref, target, mask=rows_ok)
-  pl_triton.store(sum_ref, total, mask=rows_ok)
+  pl_triton.store(sum_ref, total / s if entropy else total, mask=rows_ok)
   pl_triton.store(arg_ref, best, mask=rows_ok)
 
 
@@ -145,14 +168,17 @@ def refuses(*, grad_in_forward: bool = False, **_) -> str | None:
   return None
 
 
-def stats_forward(h, w, bias, labels, *, softcap=None, interpret=False, blocks=None,
-                  num_warps=None):
+def stats_forward(h, w, bias, labels, *, softcap=None, scale=None, entropy=False,
+                  interpret=False, blocks=None, num_warps=None):
   """Per-token logsumexp, target logit, sum of logits and argmax of ``h @ w.T + bias``.
 
   Args:
     h: ``[N, D]``; w: ``[V, D]``; bias: ``[V]`` or None; labels: ``[N]`` int32 (any value;
       a label outside ``[0, V)`` gathers 0).
     softcap: logits become ``softcap * tanh(logits / softcap)`` first.
+    scale: then they are multiplied by ``scale`` (an inverse temperature; None: 1).
+    entropy: the third statistic is the logits' mean under their softmax, ``sum(p * z)`` (the
+      entropy is ``lse`` minus it), instead of their sum.
     interpret: Pallas interpret mode (CPU tests).
     blocks: ``(tokens, vocabulary, hidden)`` tile sizes, powers of 2 (default
       :func:`gpu_blocks`, or larger ones in interpret mode).
@@ -165,7 +191,7 @@ def stats_forward(h, w, bias, labels, *, softcap=None, interpret=False, blocks=N
   v = w.shape[0]
   bt, bv, bd = _blocks(n, v, d, interpret, blocks, h.dtype)
   kernel = functools.partial(_stats_kernel, n=n, v=v, d=d, bt=bt, bv=bv, bd=bd, softcap=softcap,
-                             has_bias=bias is not None)
+                             scale=scale, entropy=entropy, has_bias=bias is not None)
   grid = (pl.cdiv(n, bt),)
   whole, row = _specs(bt)
   inputs, in_specs = _operands(h, w, bias, [labels], whole, row)
@@ -184,7 +210,7 @@ def stats_forward(h, w, bias, labels, *, softcap=None, interpret=False, blocks=N
   )(*inputs)
 
 
-def _grad_kernel(*refs, n, v, d, bt, bv, bd, softcap, has_bias, smoothing):
+def _grad_kernel(*refs, n, v, d, bt, bv, bd, softcap, scale, has_bias, smoothing, entropy):
   if has_bias:
     h_ref, w_ref, b_ref, y_ref, lse_ref, a_ref, b2_ref, c_ref, o_ref = refs
   else:
@@ -200,31 +226,37 @@ def _grad_kernel(*refs, n, v, d, bt, bv, bd, softcap, has_bias, smoothing):
   a = pl_triton.load(a_ref, mask=rows_ok, other=0)
   b = pl_triton.load(b2_ref, mask=rows_ok, other=0)
   z = _tile_logits(h_ref, w_ref, b_ref, row0, rows_ok, col0, cols_ok, bt=bt, bv=bv, bd=bd, d=d,
-                   softcap=softcap)
+                   softcap=softcap, scale=scale)
   p = jnp.exp(z - lse[:, None])
-  dz = p * a[:, None] - jnp.where(cols[None, :] == labels[:, None], b[:, None], 0.0)
+  if entropy:
+    c = pl_triton.load(c_ref, mask=rows_ok, other=0)
+    dz = p * (a[:, None] + c[:, None] * z)
+  else:
+    dz = p * a[:, None]
+  dz = dz - jnp.where(cols[None, :] == labels[:, None], b[:, None], 0.0)
   if smoothing:
     dz = dz - pl_triton.load(c_ref, mask=rows_ok, other=0)[:, None]
-  if softcap is not None:
-    t = z * (1.0 / softcap)
-    dz = dz * (1.0 - t * t)
+  dz = _chain(dz, z, softcap=softcap, scale=scale)
   pl_triton.store(o_ref.at[pl.ds(row0, bt), pl.ds(col0, bv)], dz.astype(o_ref.dtype),
                   mask=rows_ok[:, None] & cols_ok[None, :])
 
 
-def logit_grad(h, w, bias, labels, lse, a, b, c, *, softcap=None, smoothing=True,
-               interpret=False, blocks=None, num_warps=None, out_dtype=None):
+def logit_grad(h, w, bias, labels, lse, a, b, c, *, softcap=None, scale=None, smoothing=True,
+               entropy=False, interpret=False, blocks=None, num_warps=None, out_dtype=None):
   """The logit gradient ``[N, V]`` of a chunk of tokens, recomputing the logits tile by tile.
 
-  ``dz = a * exp(z - lse) - b * onehot(label) - c`` per token (``a, b, c, lse``: ``[N]``
-  float32), times ``1 - (z / softcap)**2`` when soft-capped, in ``out_dtype`` (h's dtype by
-  default); tiles and warps as in :func:`stats_forward`.
+  Of the scaled logits ``z`` (:func:`stats_forward`): ``dz = a * exp(z - lse) - b *
+  onehot(label) - c`` per token (``a, b, c, lse``: ``[N]`` float32; ``c`` only with
+  ``smoothing``), or with ``entropy`` ``exp(z - lse) * (a + c * z) - b * onehot(label)``; then
+  times ``scale`` and ``1 - (z / (scale * softcap))**2`` (the raw logits' gradient), in
+  ``out_dtype`` (h's dtype by default); tiles and warps as in :func:`stats_forward`.
   """
   n, d = h.shape
   v = w.shape[0]
   bt, bv, bd = _blocks(n, v, d, interpret, blocks, h.dtype)
   kernel = functools.partial(_grad_kernel, n=n, v=v, d=d, bt=bt, bv=bv, bd=bd, softcap=softcap,
-                             has_bias=bias is not None, smoothing=smoothing)
+                             scale=scale, has_bias=bias is not None, smoothing=smoothing,
+                             entropy=entropy)
   grid = (pl.cdiv(n, bt), pl.cdiv(v, bv))
   whole, row = _specs(bt)
   inputs, in_specs = _operands(h, w, bias, [labels, lse, a, b, c], whole, row)

@@ -1,4 +1,5 @@
-"""Cases of linear_cross_entropy: its options and modes (a fifth of the labels ignored)."""
+"""Cases of the ops on the LM head, linear_cross_entropy and linear_log_probs: their options and
+modes (a fifth of the labels ignored)."""
 
 import jax.numpy as jnp
 import torch
@@ -67,6 +68,50 @@ CASES = [
                     implementations=("xla",))),
 ]
 
+
+
+def _log_probs_case(label, *, bias=True, draw=True, mesh=None, kernels=None,
+                    return_entropy=True, **options):
+  def call(h, w, b, y, implementation):
+    return ops.linear_log_probs(h, w, _ignoring(y), bias=b if bias else None,
+                                return_entropy=return_entropy, implementation=implementation,
+                                **options)
+
+  def twin(h, w, b, y):
+    return ref.linear_log_probs(h, w, _ignoring(y), b if bias else None,
+                                return_entropy=return_entropy,
+                                **{k: v for k, v in options.items() if k != "chunk_size"})
+
+  def reference(h, w, b, y):
+    return ops.linear_log_probs_reference(
+        h, w, _ignoring(y), bias=b if bias else None, return_entropy=return_entropy,
+        **{k: v for k, v in options.items() if k != "chunk_size"})
+
+  def random_shapes(rng):
+    lead = tuple(int(n) for n in rng.integers(1, 20, rng.integers(1, 3)))
+    d, v = int(rng.integers(1, 40)), int(rng.integers(2, 300))
+    return lead + (d,), (v, d), (v,), lead
+
+  return Case("linear_log_probs", label, call, twin,
+              ((256, 1024), (32000, 1024), (32000,), (256,)),
+              ((5, 37, 64), (1000, 64), (1000,), (5, 37)), ints=((3, lambda shapes: shapes[1][0]),),
+              wrt=(0, 1, 2) if bias else (0, 1), scale=(1.0, 0.125, 0.1),
+              reference=reference, draw=random_shapes if draw else None, mesh=mesh,
+              kernels=kernels, small=((11, 6), (13, 6), (13,), (11,)))
+
+
+CASES += [
+    _log_probs_case("entropy temperature", temperature=0.7,
+                    kernels=("linear_xent_bwd_logit_grad", "linear_xent_fwd")),
+    _log_probs_case("softcap", logit_softcap=3.0, return_entropy=False, bias=False),
+    _log_probs_case("entropy softcap temperature chunked", logit_softcap=3.0, temperature=1.3,
+                    chunk_size=4, draw=False),
+    _log_probs_case("entropy vocab-parallel", bias=False, draw=False, temperature=0.9,
+                    mesh=Mesh(((4, 8, 32), (_V, 32), (_V,), (4, 8)),
+                              (("data", None, None), ("model", None), (), ("data", None)),
+                              local=False)),
+]
+
 H, W, Y = jnp.ones((4, 8)), jnp.ones((10, 8)), jnp.array([0, 1, 2, 3])
 Y_OUTSIDE = jnp.array([0, 1, 10, 3])  # concrete: labels are checked only where they are
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -116,4 +161,25 @@ BAD = [
         lambda i: ops.linear_cross_entropy(H, W, Y, reduction="none", grad_in_forward=True,
                                            implementation=i),
         ValueError, r"^linear_cross_entropy: grad_in_forward=True needs a scalar loss"),
+]
+
+BAD += [
+    Bad("linear_log_probs", "tokens dtype",
+        lambda i: ops.linear_log_probs(H, W, Y.astype(F32), implementation=i),
+        TypeError, r"^linear_log_probs: tokens must have an integer dtype,"),
+    Bad("linear_log_probs", "tokens shape",
+        lambda i: ops.linear_log_probs(H, W, Y[:, None], implementation=i),
+        ValueError, r"^linear_log_probs: tokens must have shape h\.shape\[:-1\] ="),
+    Bad("linear_log_probs", "tokens range",
+        lambda i: ops.linear_log_probs(H, W, Y_OUTSIDE, implementation=i),
+        ValueError, r"^linear_log_probs: tokens must be in \[0, 10\) \(V ="),
+    Bad("linear_log_probs", "temperature",
+        lambda i: ops.linear_log_probs(H, W, Y, temperature=0.0, implementation=i),
+        ValueError, r"^linear_log_probs: temperature must be a finite number > 0, got 0\.0"),
+    Bad("linear_log_probs", "softcap",
+        lambda i: ops.linear_log_probs(H, W, Y, logit_softcap=-1.0, implementation=i),
+        ValueError, r"^linear_log_probs: logit_softcap must be None or > 0,"),
+    Bad("linear_log_probs", "weight size",
+        lambda i: ops.linear_log_probs(H, W[:, :7], Y, implementation=i),
+        ValueError, r"^linear_log_probs: weight must have size 8 on axis 1"),
 ]

@@ -61,9 +61,9 @@ __all__ = ["LINEAR_CROSS_ENTROPY", "linear_cross_entropy", "linear_cross_entropy
 # Checks and config ----------------------------------------------------------------------------
 
 
-def _check(h, weight, labels, bias, reduction, label_smoothing, z_loss, logit_softcap,
-           chunk_size):
-  op = LINEAR_CROSS_ENTROPY.name
+def check_head(op: str, h, weight, labels, bias, logit_softcap, chunk_size,
+               labels_name: str = "labels") -> None:
+  """The checks every op on the LM head shares, naming ``op`` and the argument."""
   checks.floating(op, "h", h)
   checks.floating(op, "weight", weight)
   checks.rank(op, "weight", weight, 2)
@@ -75,10 +75,11 @@ def _check(h, weight, labels, bias, reduction, label_smoothing, z_loss, logit_so
     raise ValueError(f"{op}: the vocabulary (weight.shape[0], V) must be at least 1, got weight "
                      f"of shape {tuple(weight.shape)}")
   if not jnp.issubdtype(labels.dtype, jnp.integer):
-    raise TypeError(f"{op}: labels must have an integer dtype, got {jnp.dtype(labels.dtype).name}")
+    raise TypeError(f"{op}: {labels_name} must have an integer dtype, got "
+                    f"{jnp.dtype(labels.dtype).name}")
   if tuple(labels.shape) != tuple(h.shape[:-1]):
-    raise ValueError(f"{op}: labels must have shape h.shape[:-1] = {tuple(h.shape[:-1])}, got "
-                     f"shape {tuple(labels.shape)}")
+    raise ValueError(f"{op}: {labels_name} must have shape h.shape[:-1] = "
+                     f"{tuple(h.shape[:-1])}, got shape {tuple(labels.shape)}")
   vocab = weight.shape[0]
   if bias is not None:
     checks.floating(op, "bias", bias)
@@ -86,12 +87,6 @@ def _check(h, weight, labels, bias, reduction, label_smoothing, z_loss, logit_so
     if tuple(bias.shape) != (vocab,):
       raise ValueError(f"{op}: bias must have shape (V,) = ({vocab},), got shape "
                        f"{tuple(bias.shape)}")
-  if reduction not in _REDUCTIONS:
-    raise ValueError(f"{op}: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
-  if not 0.0 <= float(label_smoothing) <= 1.0:
-    raise ValueError(f"{op}: label_smoothing must be in [0, 1], got {label_smoothing!r}")
-  if float(z_loss) < 0.0:
-    raise ValueError(f"{op}: z_loss must be >= 0, got {z_loss!r}")
   if logit_softcap is not None and not float(logit_softcap) > 0.0:
     raise ValueError(f"{op}: logit_softcap must be None or > 0, got {logit_softcap!r}")
   if chunk_size is not None and (not isinstance(chunk_size, (int, np.integer))
@@ -99,7 +94,20 @@ def _check(h, weight, labels, bias, reduction, label_smoothing, z_loss, logit_so
     raise ValueError(f"{op}: chunk_size must be None or a positive int, got {chunk_size!r}")
 
 
-def _check_label_range(labels, vocab, ignore_index):
+def _check(h, weight, labels, bias, reduction, label_smoothing, z_loss, logit_softcap,
+           chunk_size):
+  op = LINEAR_CROSS_ENTROPY.name
+  check_head(op, h, weight, labels, bias, logit_softcap, chunk_size)
+  if reduction not in _REDUCTIONS:
+    raise ValueError(f"{op}: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+  if not 0.0 <= float(label_smoothing) <= 1.0:
+    raise ValueError(f"{op}: label_smoothing must be in [0, 1], got {label_smoothing!r}")
+  if float(z_loss) < 0.0:
+    raise ValueError(f"{op}: z_loss must be >= 0, got {z_loss!r}")
+
+
+def check_label_range(labels, vocab, ignore_index, op: str = LINEAR_CROSS_ENTROPY.name,
+                      labels_name: str = "labels"):
   """Concrete labels are checked; traced ones cannot be (their loss is NaN, see the docs)."""
   try:
     values = np.asarray(labels)
@@ -108,7 +116,7 @@ def _check_label_range(labels, vocab, ignore_index):
   bad = (values != ignore_index) & ((values < 0) | (values >= vocab))
   if bad.any():
     first = values[bad].flat[0]
-    raise ValueError(f"{LINEAR_CROSS_ENTROPY.name}: labels must be in [0, {vocab}) "
+    raise ValueError(f"{op}: {labels_name} must be in [0, {vocab}) "
                      f"(V = weight.shape[0]) or ignore_index={ignore_index}; got "
                      f"{int(bad.sum())} out of range, e.g. {int(first)}")
 
@@ -125,6 +133,8 @@ class _Config(base.Config):
   chunk: int         # tokens per chunk of logits
   accuracy: bool     # the argmax is needed
   has_bias: bool
+  scale: float | None = None   # the soft-capped logits times this (an inverse temperature)
+  entropy: bool = False        # the third statistic is sum(p * z), not sum(z)
 
 
 def _config(n, vocab, *, ignore_index, label_smoothing, z_loss, logit_softcap, chunk_size,
@@ -133,17 +143,22 @@ def _config(n, vocab, *, ignore_index, label_smoothing, z_loss, logit_softcap, c
   if grad_in_forward and reduction == "none":
     raise ValueError(f"{op.name}: grad_in_forward=True needs a scalar loss (reduction 'mean' "
                      f"or 'sum'), got reduction='none'")
-  if chunk_size is None:
-    target = max(_MIN_CHUNK, min(_MAX_CHUNK, _CHUNK_ELEMENTS // vocab))
-    # Equal chunks, a multiple of 8 tokens, so that little padding is needed.
-    count = -(-n // target)
-    chunk_size = -(-(-(-n // max(count, 1))) // 8) * 8
   return op.config(implementation, _Config, facts={"grad_in_forward": bool(grad_in_forward)},
                    vocab=vocab, ignore_index=int(ignore_index),
                    label_smoothing=float(label_smoothing), z_loss=float(z_loss),
                    softcap=None if logit_softcap is None else float(logit_softcap),
-                   chunk=int(max(1, min(chunk_size, n))), accuracy=bool(return_accuracy),
+                   chunk=chunk_tokens(n, vocab, chunk_size), accuracy=bool(return_accuracy),
                    has_bias=has_bias)
+
+
+def chunk_tokens(n: int, vocab: int, chunk_size: int | None) -> int:
+  """Tokens per chunk of logits: ``chunk_size``, or about ``2**25 / vocab`` (at least 8) split
+  evenly over the ``n`` tokens, a multiple of 8 so that little padding is needed."""
+  if chunk_size is None:
+    target = max(_MIN_CHUNK, min(_MAX_CHUNK, _CHUNK_ELEMENTS // vocab))
+    count = -(-n // target)
+    chunk_size = -(-(-(-n // max(count, 1))) // 8) * 8
+  return int(max(1, min(chunk_size, n)))
 
 
 # The op ---------------------------------------------------------------------------------------
@@ -214,7 +229,7 @@ def linear_cross_entropy(h: jax.Array, weight: jax.Array, labels: jax.Array, *,
                 grad_in_forward=grad_in_forward, reduction=reduction,
                 return_accuracy=return_accuracy, has_bias=bias is not None,
                 implementation=implementation)
-  _check_label_range(labels, vocab, ignore_index)
+  check_label_range(labels, vocab, ignore_index)
   h2, labels1 = h.reshape(n, h.shape[-1]), labels.reshape(n).astype(jnp.int32)
   valid = labels1 != ignore_index
   with jax.named_scope(f"jaxfuse.linear_cross_entropy[{cfg.impl}]"):
@@ -247,14 +262,14 @@ def linear_cross_entropy(h: jax.Array, weight: jax.Array, labels: jax.Array, *,
 # Forward and backward (each on one device's share: see sharded.py) ----------------------------
 
 
-def _stats(h, weight, bias, labels, cfg):
+def token_stats(h, weight, bias, labels, cfg):
   """``(lse, target, sum, argmax)`` per token (float32, and int32 for the argmax)."""
   twin = functools.partial(xla.stats, cfg=cfg, every=cfg.on_kernels)
   kernel = functools.partial(sharded.stats_shard, cfg=cfg)
   return base.kernel_call(kernel, twin, h, weight, bias, labels, rule=sharded.rule(cfg, "stats"))
 
 
-def _backward(h, weight, bias, labels, lse, a, b, c, cfg):
+def head_backward(h, weight, bias, labels, lse, a, b, c, cfg):
   """Recomputes each chunk's logits, forms its logit gradient and multiplies it out."""
   kernel = functools.partial(sharded.backward_shard, cfg=cfg)
   twin = functools.partial(sharded.backward_shard, cfg=cfg, axes={"v": ()})
@@ -272,7 +287,7 @@ def _lce(h, weight, bias, labels, cfg):
 
 
 def _lce_fwd(h, weight, bias, labels, cfg):
-  lse, target, sumz, amax = _stats(h, weight, bias, labels, cfg)
+  lse, target, sumz, amax = token_stats(h, weight, bias, labels, cfg)
   loss, correct = xla.per_token(labels, lse, target, sumz, amax, cfg)
   # Residuals: the inputs and 4 bytes a token. Logits are recomputed chunk by chunk.
   return (loss, lse, correct), (h, weight, bias, labels, lse)
@@ -282,7 +297,7 @@ def _lce_bwd(cfg, residuals, cotangents):
   h, weight, bias, labels, lse = residuals
   g_loss, g_lse, _ = cotangents
   a, b, c = xla.token_coefficients(labels, lse, g_loss, g_lse, cfg)
-  dh, dw, db = _backward(h, weight, bias, labels, lse, a, b, c, cfg)
+  dh, dw, db = head_backward(h, weight, bias, labels, lse, a, b, c, cfg)
   return dh, dw, db, None
 
 

@@ -48,14 +48,16 @@ def vocab_slice(cfg, weight, labels, vocab_axes):
   return dataclasses.replace(cfg, vocab=local), labels - offset
 
 
-def combined_over_vocab(lse, target, sumz, vocab_axes):
+def combined_over_vocab(lse, target, sumz, vocab_axes, *, mean=False):
   """Per-token statistics of vocabulary slices combined over the slices (unchanged when the
-  vocabulary is whole)."""
+  vocabulary is whole); with ``mean``, ``sumz`` is each slice's mean logit under its own
+  softmax, combined weighted by the slices' shares of the whole softmax."""
   if not vocab_axes:
     return lse, target, sumz
   m = lax.pmax(lse, vocab_axes)
-  lse = m + jnp.log(lax.psum(jnp.exp(lse - m), vocab_axes))
-  return lse, lax.psum(target, vocab_axes), lax.psum(sumz, vocab_axes)
+  whole = m + jnp.log(lax.psum(jnp.exp(lse - m), vocab_axes))
+  sumz = lax.psum(jnp.exp(lse - whole) * sumz if mean else sumz, vocab_axes)
+  return whole, lax.psum(target, vocab_axes), sumz
 
 
 def stats_shard(h, weight, bias, labels, *, cfg, axes):
@@ -64,14 +66,15 @@ def stats_shard(h, weight, bias, labels, *, cfg, axes):
   if vocab_axes:
     cfg, labels = vocab_slice(cfg, weight, labels, vocab_axes)
   lse, target, sumz, amax = stats_kernel(h, weight, bias, labels, cfg)
-  return (*combined_over_vocab(lse, target, sumz, vocab_axes), amax)
+  return (*combined_over_vocab(lse, target, sumz, vocab_axes, mean=cfg.entropy), amax)
 
 
 def stats_kernel(h, weight, bias, labels, cfg):
   """``(lse, target, sum, argmax)`` of one device's block, by the kernels (which always
   compute the argmax) or by XLA (which computes it where accuracy is asked for)."""
   return cfg.run("stats_forward", functools.partial(xla.stats, cfg=cfg, every=True), h, weight,
-                 bias, labels, xla=functools.partial(xla.stats, cfg=cfg), softcap=cfg.softcap)
+                 bias, labels, xla=functools.partial(xla.stats, cfg=cfg), softcap=cfg.softcap,
+                 scale=cfg.scale, entropy=cfg.entropy)
 
 
 def chunk_logit_grad(hc, weight, bias, yc, lse, a, b, c, cfg):
@@ -80,7 +83,8 @@ def chunk_logit_grad(hc, weight, bias, yc, lse, a, b, c, cfg):
   twin = functools.partial(xla.logit_grad, cfg=cfg)
   return cfg.run("logit_grad", twin, hc, weight, bias, yc, lse, a, b, c,
                  xla=functools.partial(xla.logit_grad, cfg=cfg, float32=True),
-                 softcap=cfg.softcap, smoothing=bool(cfg.label_smoothing))
+                 softcap=cfg.softcap, scale=cfg.scale, smoothing=bool(cfg.label_smoothing),
+                 entropy=cfg.entropy)
 
 
 def logit_grad_dtype(h, cfg):

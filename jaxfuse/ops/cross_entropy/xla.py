@@ -121,26 +121,34 @@ def per_token(labels, lse, target, sumz, amax, cfg):
 
 
 def chunk_logits(h, weight, bias, cfg):
-  """One chunk's float32 logits (soft-capped when the config says so)."""
+  """One chunk's float32 logits (soft-capped, then scaled, when the config says so)."""
   logits = lax.dot_general(h, weight, (((1,), (1,)), ((), ())), precision=HIGHEST,
                            preferred_element_type=jnp.float32)
   if bias is not None:
     logits = logits + bias.astype(jnp.float32)
   if cfg.softcap is not None:
     logits = cfg.softcap * activations.tanh(logits / cfg.softcap)
+  if cfg.scale is not None:
+    logits = logits * cfg.scale
   return logits
 
 
 def stats_from_logits(z, labels, cfg, *, every=False):
   """``(lse, target, sum, argmax)`` per token; the sum and the argmax are zeros unless label
-  smoothing and accuracy (or ``every``) ask for them. A label outside ``[0, V)`` gathers 0."""
+  smoothing and accuracy (or ``every``) ask for them. With ``cfg.entropy`` the sum is the
+  logits' mean under their softmax, ``sum(p * z)``. A label outside ``[0, V)`` gathers 0."""
   m = jnp.max(z, axis=-1)
-  lse = m + jnp.log(jnp.sum(jnp.exp(z - m[:, None]), axis=-1))
+  e = jnp.exp(z - m[:, None])
+  s = jnp.sum(e, axis=-1)
+  lse = m + jnp.log(s)
   in_range = (labels >= 0) & (labels < cfg.vocab)
   safe = jnp.clip(labels, 0, cfg.vocab - 1)
   target = jnp.take_along_axis(z, safe[:, None], axis=-1)[:, 0]
   target = jnp.where(in_range, target, 0.0)
-  sumz = jnp.sum(z, axis=-1) if cfg.label_smoothing or every else jnp.zeros_like(lse)
+  if cfg.entropy:
+    sumz = jnp.sum(e * z, axis=-1) / s
+  else:
+    sumz = jnp.sum(z, axis=-1) if cfg.label_smoothing or every else jnp.zeros_like(lse)
   if cfg.accuracy or every:
     amax = jnp.argmax(z, axis=-1).astype(jnp.int32)
   else:
@@ -149,13 +157,19 @@ def stats_from_logits(z, labels, cfg, *, every=False):
 
 
 def logit_grad_from_logits(z, labels, lse, a, b, c, cfg):
+  """The raw logits' gradient from the (soft-capped, scaled) logits ``z``: ``p * a - b *
+  onehot(label) - c`` (``c`` with label smoothing), or ``p * (a + c * z) - b * onehot(label)``
+  with ``cfg.entropy``, through the scale's and the soft-cap's derivatives."""
   p = jnp.exp(z - lse[:, None])
   hit = lax.broadcasted_iota(jnp.int32, z.shape, 1) == labels[:, None]
-  dz = p * a[:, None] - jnp.where(hit, b[:, None], 0.0)
+  dz = p * (a[:, None] + c[:, None] * z) if cfg.entropy else p * a[:, None]
+  dz = dz - jnp.where(hit, b[:, None], 0.0)
   if cfg.label_smoothing:
     dz = dz - c[:, None]
+  if cfg.scale is not None:
+    dz = dz * cfg.scale
   if cfg.softcap is not None:
-    t = z * (1.0 / cfg.softcap)
+    t = z * (1.0 / (cfg.softcap * (cfg.scale if cfg.scale is not None else 1.0)))
     dz = dz * (1.0 - t * t)
   return dz
 

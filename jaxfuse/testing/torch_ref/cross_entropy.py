@@ -32,3 +32,23 @@ def linear_cross_entropy(h, weight, labels, bias=None, *, ignore_index=-100, red
   if reduction == "none":
     loss = loss.reshape(labels.shape)
   return loss
+
+
+def linear_log_probs(h, weight, tokens, bias=None, *, temperature=1.0, logit_softcap=None,
+                     ignore_index=-100, return_entropy=False):
+  """TRL's per-token log-probabilities (``selective_log_softmax(logits / temperature, tokens)``)
+  and entropies (``entropy_from_logits``) on the full logits, 0 where ``tokens`` is
+  ``ignore_index``."""
+  logits = h @ weight.T
+  if bias is not None:
+    logits = logits + bias
+  if logit_softcap is not None:
+    logits = logit_softcap * torch.tanh(logits / logit_softcap)
+  logp_all = torch.log_softmax(logits / temperature, dim=-1)
+  valid = tokens != ignore_index
+  safe = torch.where(valid, tokens, torch.zeros_like(tokens)).long()
+  logp = torch.gather(logp_all, -1, safe.unsqueeze(-1)).squeeze(-1) * valid
+  if not return_entropy:
+    return logp
+  entropy = -(torch.exp(logp_all) * logp_all).sum(-1) * valid
+  return logp, entropy
