@@ -165,13 +165,19 @@ def _plain_log_probs(h, w, y):
                                                        return_entropy=True))
 
 
+# The torch rows' tokens as [sequences, SEQUENCE] (TRL's functions loop over the leading axis).
+SEQUENCE = 1024
+
+
 def _torch_log_probs(h, w, y):
-  """TRL's functions on the full logits: what its trainers compute."""
+  """TRL's functions on the full logits ``[sequences, SEQUENCE, V]``, as its trainers call
+  them."""
   from trl.trainer.utils import entropy_from_logits, selective_log_softmax
 
-  logits = h @ w.T
-  return _policy_objective(selective_log_softmax(logits, y, temperature=TEMPERATURE),
-                           entropy_from_logits(logits / TEMPERATURE))
+  rows = SEQUENCE if h.shape[0] % SEQUENCE == 0 else h.shape[0]
+  logits = (h @ w.T).reshape(-1, rows, w.shape[0])
+  logp = selective_log_softmax(logits, y.reshape(-1, rows), temperature=TEMPERATURE)
+  return _policy_objective(logp.reshape(-1), entropy_from_logits(logits / TEMPERATURE).reshape(-1))
 
 
 # The two problems of the suite: (jaxfuse rows of y, the plain-JAX loss, the torch loss).
