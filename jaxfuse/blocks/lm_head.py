@@ -40,6 +40,16 @@ def loss(h: Array, weight: Array, labels: Array, bias: Array | None = None, *,
   return cross_entropy.linear_cross_entropy(h, weight, labels, bias=bias, **options)
 
 
+def log_probs(h: Array, weight: Array, tokens: Array, bias: Array | None = None, *,
+              dtype: Any = None, **options):
+  """:func:`jaxfuse.ops.linear_log_probs` of the head: per-token ``log p(token)`` (and with
+  ``return_entropy`` the entropies) without the ``[tokens, V]`` logits; ``options`` are that
+  op's (``temperature``, ``logit_softcap``, ``ignore_index``, ``return_entropy``,
+  ``chunk_size``, ``implementation``)."""
+  h, weight, bias = cast(h, weight, bias, dtype)
+  return cross_entropy.linear_log_probs(h, weight, tokens, bias=bias, **options)
+
+
 def logits(h: Array, weight: Array, bias: Array | None = None, *, dtype: Any = None) -> Array:
   """Float32 logits ``h @ weight.T + bias`` (materialized: use on few positions)."""
   return cross_entropy.linear_logits(*cast(h, weight, bias, dtype))

@@ -31,7 +31,7 @@ from jaxfuse.data.encoding import LOSS_ON, ChatTemplateError, Encoder, encode_re
 from jaxfuse.data.packing import (IGNORE_INDEX, LONG_DOCUMENTS, PackedRows, PackingPlan, pack,
                                   plan_packing)
 from jaxfuse.data.pipeline import DataReport, Prepared, prepare
-from jaxfuse.data.records import DataError, Record, read_records, resolve_files
+from jaxfuse.data.records import DataError, Record, read_objects, read_records, resolve_files
 from jaxfuse.data.tokenization import (ByteTokenizer, TokenizerError, VocabularyError,
                                        check_vocabulary, has_tokenizer, load_tokenizer,
                                        save_tokenizer, tokenizer_fingerprint, train_tokenizer)
@@ -65,6 +65,7 @@ __all__ = [
     "pack",
     "plan_packing",
     "prepare",
+    "read_objects",
     "read_records",
     "resolve_files",
     "save_tokenizer",

@@ -193,7 +193,7 @@ def _read_text(path: Path) -> Iterator[Record]:
   yield Record(str(path), "text", text=text)
 
 
-def _read_json_lines(path: Path, text_field: str) -> Iterator[Record]:
+def _json_objects(path: Path) -> Iterator[tuple[str, Any]]:
   with open(path, "rb") as f:
     for number, raw in enumerate(f, 1):
       where = f"{path}:{number}"
@@ -209,10 +209,11 @@ def _read_json_lines(path: Path, text_field: str) -> Iterator[Record]:
         hint = (" (a .json file holds one JSON object per line, not one array)"
                 if number == 1 and line.lstrip().startswith("[") else "")
         raise DataError(f"{where}: malformed JSON: {e.msg} at column {e.colno}{hint}") from None
-      yield record_from_object(obj, where, text_field)
+      yield where, obj
 
 
-def _read_parquet(path: Path, text_field: str) -> Iterator[Record]:
+def _parquet_objects(path: Path, wanted: Sequence[str] | None = None,
+                     needs: str = "") -> Iterator[tuple[str, Any]]:
   import pyarrow.parquet as pq
 
   try:
@@ -220,16 +221,51 @@ def _read_parquet(path: Path, text_field: str) -> Iterator[Record]:
   except (OSError, ValueError) as e:  # pyarrow's errors are one or the other
     raise DataError(f"{path}: not a readable Parquet file ({e})") from None
   names = table.schema_arrow.names
-  columns = [c for c in dict.fromkeys(("messages", "prompt", "completion", text_field))
-             if c in names]
-  if not columns:
-    raise DataError(f"{path}: a record needs {text_field!r} (text), 'messages' (chat) or "
-                    f"'prompt' and 'completion'; the file's columns are {sorted(names)}")
+  columns = None if wanted is None else [c for c in dict.fromkeys(wanted) if c in names]
+  if columns is not None and not columns:
+    raise DataError(f"{path}: {needs}; the file's columns are {sorted(names)}")
   row = 0
   for batch in table.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns):
     for obj in batch.to_pylist():
-      yield record_from_object(obj, f"{path}:row {row}", text_field)
+      yield f"{path}:row {row}", obj
       row += 1
+
+
+def read_objects(paths: PathLike | Sequence[PathLike]) -> Iterator[tuple[str, Any]]:
+  """``(where, object)`` of every JSON line (blank lines skipped) and Parquet row (all columns)
+  of the files ``paths`` name, in order: for records of other shapes than :class:`Record`'s
+  (preference pairs). ``.txt`` files are refused.
+
+  Example:
+    >>> import pathlib, tempfile
+    >>> path = pathlib.Path(tempfile.mkdtemp()) / "pairs.jsonl"
+    >>> _ = path.write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\\n')
+    >>> [(pathlib.Path(w).name, o["chosen"]) for w, o in read_objects(path)]
+    [('pairs.jsonl:1', 'b')]
+  """
+  count = 0
+  for path in resolve_files(paths):
+    kind = FORMATS[path.suffix.lower()]
+    if kind == "text":
+      raise DataError(f"{path}: a plain text file holds no fields; give JSON lines or Parquet")
+    for item in _json_objects(path) if kind == "json" else _parquet_objects(path):
+      count += 1
+      yield item
+  if not count:
+    raise DataError(f"{describe_paths(paths)}: no records")
+
+
+def _read_json_lines(path: Path, text_field: str) -> Iterator[Record]:
+  for where, obj in _json_objects(path):
+    yield record_from_object(obj, where, text_field)
+
+
+def _read_parquet(path: Path, text_field: str) -> Iterator[Record]:
+  needs = (f"a record needs {text_field!r} (text), 'messages' (chat) or 'prompt' and "
+           "'completion'")
+  for where, obj in _parquet_objects(path, ("messages", "prompt", "completion", text_field),
+                                     needs):
+    yield record_from_object(obj, where, text_field)
 
 
 def read_files(files: Sequence[Path], text_field: str = "text") -> Iterator[Record]:

@@ -286,6 +286,35 @@ class Decoder(LayerStack, nnx.Module):
     count = jnp.sum(valid) if total_targets is None else total_targets
     return jnp.sum(jnp.where(valid, losses, 0.0)) / count
 
+  def token_log_probs(self, tokens: jax.Array, targets: jax.Array,
+                      positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
+                      *, temperature: float = 1.0, return_entropy: bool = False):
+    """Float32 ``log p(target)`` ``[batch, seq]`` of each target given the tokens before it (0
+    where the target is ``IGNORE_INDEX``), from the fused head without the ``[tokens, V]``
+    logits (:func:`jaxfuse.ops.linear_log_probs`; plain logits without ``fused``): what
+    preference, distillation and RL losses need of a policy. ``temperature`` divides the
+    (soft-capped) logits; ``return_entropy`` also returns each position's entropy.
+
+    With MoE blocks, the routing's loss is not part of these (see :meth:`router_loss`)."""
+    h, order, _ = self._hidden(tokens, positions, segment_ids)
+    if order is not None:
+      targets = targets[..., order]
+    if self.fused:
+      out = self.lm_head.log_probs(h, targets, temperature=temperature,
+                                   return_entropy=return_entropy)
+    else:
+      logits = self.logits_from_hidden(h) / temperature
+      logp_all = jax.nn.log_softmax(logits, axis=-1)
+      valid = targets != IGNORE_INDEX
+      safe = jnp.where(valid, targets, 0)
+      logp = jnp.where(valid, jnp.take_along_axis(logp_all, safe[..., None], -1)[..., 0], 0.0)
+      entropy = jnp.where(valid, -jnp.sum(jnp.exp(logp_all) * logp_all, -1), 0.0)
+      out = (logp, entropy) if return_entropy else logp
+    if order is None:
+      return out
+    inverse = np.argsort(order)
+    return jax.tree.map(lambda x: x[:, inverse], out)
+
   def logits_from_hidden(self, h: jax.Array) -> jax.Array:
     """Float32 logits of normalized hidden states (materialized: use on few positions),
     soft-capped where the family caps them."""

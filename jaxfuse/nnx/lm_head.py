@@ -101,6 +101,15 @@ class LMHead(nnx.Module):
     return lm_head.loss(h, self.weight, labels, self._bias, dtype=self.dtype,
                         **{**self.loss_options, **options})
 
+  def log_probs(self, h: Array, tokens: Array, **options):
+    """Per-token ``log p(token)`` of the fused head (:func:`jaxfuse.ops.linear_log_probs`), with
+    this head's soft-cap, ignore index and implementation; ``options`` are that op's
+    (``temperature``, ``return_entropy``, ...)."""
+    own = {k: self.loss_options[k]
+           for k in ("ignore_index", "logit_softcap", "chunk_size", "implementation")}
+    return lm_head.log_probs(h, self.weight, tokens, self._bias, dtype=self.dtype,
+                             **{**own, **options})
+
   def logits(self, h: Array) -> Array:
     """Float32 logits ``h @ weight.T + bias`` for a small slice of ``h``."""
     return lm_head.logits(h, self.weight, self._bias, dtype=self.dtype)

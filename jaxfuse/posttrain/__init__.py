@@ -2,6 +2,8 @@
 from the LM head without its logits (:func:`jaxfuse.ops.linear_log_probs`)."""
 
 from jaxfuse.posttrain import losses
-from jaxfuse.posttrain.losses import DPO_LOSS_TYPES, F_DIVERGENCES, dpo_loss, sequence_logps
+from jaxfuse.posttrain.losses import (CPO_LOSS_TYPES, DPO_LOSS_TYPES, F_DIVERGENCES, KTO_LOSS_TYPES,
+                                      cpo_loss, dpo_loss, kto_loss, orpo_loss, sequence_logps)
 
-__all__ = ["DPO_LOSS_TYPES", "F_DIVERGENCES", "dpo_loss", "losses", "sequence_logps"]
+__all__ = ["CPO_LOSS_TYPES", "DPO_LOSS_TYPES", "F_DIVERGENCES", "KTO_LOSS_TYPES", "cpo_loss",
+           "dpo_loss", "kto_loss", "losses", "orpo_loss", "sequence_logps"]

@@ -2,12 +2,23 @@
 
 The per-token log-probabilities come from the LM head without its logits
 (:func:`jaxfuse.ops.linear_log_probs`); these functions turn them into a loss and the metrics
-TRL logs. The batch layout is TRL's: the chosen completions, then the rejected ones, ``[2B, T]``.
+TRL logs. The batch layout of the paired losses is TRL's: the chosen completions, then the
+rejected ones, ``[2B, T]``; KTO's is unpaired, ``[B, T]`` with a label per row.
 
-Read from TRL 1.16.0 (``trl/trainer/dpo_trainer.py``, ``DPOTrainer._compute_loss``): every loss
-type, their weighted sum, ``beta``, ``label_smoothing``, the f-divergences, ``ld_alpha``
-(length desensitization) and ``discopop_tau``, as that version computes them; the tests run
-TRL's own code on the same log-probabilities and compare the losses and their gradients.
+Read from TRL 1.16.0, as that version computes them; the tests run TRL's own code on the same
+log-probabilities and compare the losses, the metrics and the gradients:
+
+* :func:`dpo_loss` from ``trl/trainer/dpo_trainer.py`` (``DPOTrainer._compute_loss``): every
+  loss type, their weighted sum, ``beta``, ``label_smoothing``, the f-divergences, ``ld_alpha``
+  (length desensitization) and ``discopop_tau``;
+* :func:`cpo_loss` (CPO, SimPO, AlphaPO) from ``trl/experimental/cpo/cpo_trainer.py`` and
+  ``cpo_config.py``;
+* :func:`orpo_loss` from ``trl/experimental/orpo/orpo_trainer.py``;
+* :func:`kto_loss` from ``trl/trainer/kto_trainer.py`` (``KTOTrainer._compute_loss``; the
+  ``trl.experimental.kto`` names are deprecated aliases of it).
+
+TRL's ``logits/chosen`` and ``logits/rejected`` metrics (means of the logits) are not computed:
+these functions never see the logits.
 """
 
 from __future__ import annotations
@@ -28,7 +39,14 @@ F_DIVERGENCES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence"
 F_DIVERGENCE_LOSS_TYPES = ("sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust",
                            "discopop", "sft")
 
-__all__ = ["DPO_LOSS_TYPES", "F_DIVERGENCES", "dpo_loss", "sequence_logps"]
+# TRL 1.16.0's CPO loss types (``CPOConfig.loss_type``); "alphapo" is its shorthand for "simpo"
+# without the NLL term.
+CPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "simpo", "alphapo")
+# TRL 1.16.0's KTO loss types (``KTOConfig.loss_type``).
+KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")
+
+__all__ = ["CPO_LOSS_TYPES", "DPO_LOSS_TYPES", "F_DIVERGENCES", "KTO_LOSS_TYPES", "cpo_loss",
+           "dpo_loss", "kto_loss", "orpo_loss", "sequence_logps"]
 
 
 def sequence_logps(token_logps: jax.Array, mask: jax.Array,
@@ -56,6 +74,17 @@ def sequence_logps(token_logps: jax.Array, mask: jax.Array,
   tail_mask = position > shared
   return (jnp.sum(token_logps * shared_mask, axis=1)
           + ld_alpha * jnp.sum(token_logps * tail_mask, axis=1))
+
+
+def _check_pairs(name, token_logps, mask):
+  """``token_logps`` ``[2B, T]`` (B >= 1) and ``mask`` of its shape."""
+  shape = tuple(token_logps.shape)
+  if len(shape) != 2 or shape[0] == 0 or shape[0] % 2:
+    raise ValueError(f"{name}: token_logps must be [2B, T], the B chosen completions then their "
+                     f"B rejected ones, got shape {shape}")
+  if tuple(mask.shape) != shape:
+    raise ValueError(f"{name}: mask must have token_logps' shape {shape}, got "
+                     f"{tuple(mask.shape)}")
 
 
 def _check(loss_types, loss_weights, beta, label_smoothing, f_divergence_type):
@@ -125,8 +154,8 @@ def dpo_loss(token_logps: jax.Array, ref_logps: jax.Array, mask: jax.Array, *,
     ``logps/rejected`` (means over the pairs; the rewards are ``beta`` times the log-ratios).
 
   Raises:
-    ValueError: an unknown loss type or divergence, a divergence a loss type does not take, or
-      ``exo_pair`` without label smoothing.
+    ValueError: an unknown loss type or divergence, a divergence a loss type does not take,
+      ``exo_pair`` without label smoothing, or shapes other than these.
 
   Example:
     >>> import jax.numpy as jnp
@@ -139,6 +168,10 @@ def dpo_loss(token_logps: jax.Array, ref_logps: jax.Array, mask: jax.Array, *,
   loss_types = (loss_type,) if isinstance(loss_type, str) else tuple(loss_type)
   loss_weights = tuple(loss_weights) if loss_weights is not None else (1.0,) * len(loss_types)
   _check(loss_types, loss_weights, beta, label_smoothing, f_divergence_type)
+  _check_pairs("dpo_loss", token_logps, mask)
+  if not reference_free and tuple(ref_logps.shape) != token_logps.shape[:1]:
+    raise ValueError(f"dpo_loss: ref_logps must be [2B] = {token_logps.shape[:1]}, got "
+                     f"{tuple(ref_logps.shape)}")
   mask = mask.astype(token_logps.dtype)
   logps = sequence_logps(token_logps, mask, ld_alpha)
   chosen_logps, rejected_logps = jnp.split(logps, 2)
@@ -210,4 +243,293 @@ def dpo_loss(token_logps: jax.Array, ref_logps: jax.Array, mask: jax.Array, *,
       "logps/chosen": jnp.mean(jax.lax.stop_gradient(chosen_logps)),
       "logps/rejected": jnp.mean(jax.lax.stop_gradient(rejected_logps)),
   }
+  return loss, metrics
+
+
+def _mean_logps(token_logps, mask):
+  """Per-sequence means of the per-token log-probabilities over ``mask`` (float)."""
+  return jnp.sum(token_logps * mask, axis=1) / jnp.maximum(jnp.sum(mask, axis=1), 1.0)
+
+
+def _chosen_nll(token_logps, mask):
+  """The chosen completions' NLL: ``-log p`` averaged over all their tokens of ``mask`` together
+  (``torch.nn.CrossEntropyLoss``'s mean over the tokens not ignored)."""
+  chosen_logps, _ = jnp.split(token_logps * mask, 2)
+  chosen_mask, _ = jnp.split(mask, 2)
+  return -jnp.sum(chosen_logps) / jnp.maximum(jnp.sum(chosen_mask), 1.0)
+
+
+def _pair_metrics(chosen_rewards, rejected_rewards, chosen_logps, rejected_logps):
+  chosen_rewards = jax.lax.stop_gradient(chosen_rewards)
+  rejected_rewards = jax.lax.stop_gradient(rejected_rewards)
+  return {
+      "rewards/chosen": jnp.mean(chosen_rewards),
+      "rewards/rejected": jnp.mean(rejected_rewards),
+      "rewards/accuracies": jnp.mean((chosen_rewards > rejected_rewards).astype(jnp.float32)),
+      "rewards/margins": jnp.mean(chosen_rewards - rejected_rewards),
+      "logps/chosen": jnp.mean(jax.lax.stop_gradient(chosen_logps)),
+      "logps/rejected": jnp.mean(jax.lax.stop_gradient(rejected_logps)),
+  }
+
+
+def cpo_loss(token_logps: jax.Array, mask: jax.Array, *, beta: float = 0.1,
+             loss_type: str = "sigmoid", label_smoothing: float = 0.0, simpo_gamma: float = 0.5,
+             cpo_alpha: float = 1.0, alpha: float = 0.0
+             ) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """The CPO loss (and SimPO's, AlphaPO's) of a batch of preference pairs, without a reference
+  model, as TRL 1.16.0's ``CPOTrainer`` computes it (``trl/experimental/cpo/cpo_trainer.py``:
+  ``cpo_loss``, ``concatenated_forward``, ``get_batch_loss_metrics``; ``cpo_config.py``).
+
+  The loss is ``mean(losses) + cpo_alpha * nll``: the preference loss of the pairs' sequence
+  log-probabilities (sums over ``mask``; per-token means for ``ipo`` and ``simpo``), and the
+  chosen completions' NLL, ``-log p`` averaged over all their completion tokens together (TRL's
+  cross-entropy over the chosen labels, its prompt tokens ignored; 0 when ``cpo_alpha`` is 0).
+
+  TRL has no SimPO trainer: SimPO is ``loss_type="simpo", cpo_alpha=0.0`` (CPO-SimPO keeps
+  ``cpo_alpha > 0``), and ``loss_type="alphapo"`` is TRL's shorthand for it: ``CPOConfig``
+  turns it into ``"simpo"`` with ``cpo_alpha=0.0`` whatever ``cpo_alpha`` says, and ``alpha``
+  stays as given (AlphaPO's reward shape needs ``alpha != 0``).
+
+  Args:
+    token_logps: the policy's per-token log-probabilities ``[2B, T]``: the ``B`` chosen
+      completions, then their ``B`` rejected ones (of each token given the ones before it).
+    mask: ``[2B, T]``, 1 on the completion's tokens (TRL's shifted labels that are not -100).
+    beta: the temperature of the preference loss (IPO's regularization tau).
+    loss_type: one of :data:`CPO_LOSS_TYPES`.
+    label_smoothing: the label noise of ``sigmoid`` and ``simpo`` (``hinge`` and ``ipo``
+      ignore it, as TRL does after a warning).
+    simpo_gamma: SimPO's target reward margin (``simpo`` only).
+    cpo_alpha: the weight of the chosen NLL.
+    alpha: AlphaPO's reward shape, for every loss type: rewards ``(1 - p ** -alpha) / alpha``
+      of the sequence probabilities ``p`` in place of their logs (0: the logs).
+
+  Returns:
+    ``(loss, metrics)``: the scalar loss and TRL's metrics, ``rewards/chosen``,
+    ``rewards/rejected``, ``rewards/accuracies``, ``rewards/margins`` (the rewards are ``beta``
+    times the sequence log-probabilities, or AlphaPO's), ``logps/chosen``, ``logps/rejected``
+    (means over the pairs) and ``nll_loss``.
+
+  Raises:
+    ValueError: an unknown loss type, ``beta <= 0``, or shapes other than these.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> logps = jnp.log(jnp.array([[0.5, 0.5], [0.2, 0.5]]))   # chosen, then rejected
+    >>> loss, metrics = cpo_loss(logps, jnp.ones((2, 2)), beta=1.0)
+    >>> float(loss), float(metrics["nll_loss"])   # -log sigmoid(log(0.25 / 0.1)) + log 2
+    (1.0296..., 0.6931...)
+  """
+  _check_pairs("cpo_loss", token_logps, mask)
+  if loss_type not in CPO_LOSS_TYPES:
+    raise ValueError(f"cpo_loss: loss_type must be one of {CPO_LOSS_TYPES}, got {loss_type!r}")
+  if not beta > 0:
+    raise ValueError(f"cpo_loss: beta must be > 0, got {beta!r}")
+  if loss_type == "alphapo":   # CPOConfig.__post_init__
+    loss_type, cpo_alpha = "simpo", 0.0
+  mask = mask.astype(token_logps.dtype)
+  if loss_type in ("ipo", "simpo"):
+    logps = _mean_logps(token_logps, mask)
+  else:
+    logps = jnp.sum(token_logps * mask, axis=1)
+  chosen_logps, rejected_logps = jnp.split(logps, 2)
+  if alpha != 0.0:   # (1 - p ** -alpha) / alpha, with p ** -alpha = exp(-alpha log p)
+    chosen_rewards = (1 - jnp.exp(-alpha * chosen_logps)) / alpha
+    rejected_rewards = (1 - jnp.exp(-alpha * rejected_logps)) / alpha
+  else:
+    chosen_rewards, rejected_rewards = chosen_logps, rejected_logps
+  logits = chosen_rewards - rejected_rewards
+  if loss_type == "simpo":
+    logits = logits - simpo_gamma / beta
+  if loss_type in ("sigmoid", "simpo"):
+    losses = (-jax.nn.log_sigmoid(beta * logits) * (1 - label_smoothing)
+              - jax.nn.log_sigmoid(-beta * logits) * label_smoothing)
+  elif loss_type == "hinge":
+    losses = jax.nn.relu(1 - beta * logits)
+  else:   # ipo
+    losses = (logits - 1 / (2 * beta)) ** 2
+  nll = jnp.zeros((), logps.dtype) if cpo_alpha == 0 else _chosen_nll(token_logps, mask)
+  loss = jnp.mean(losses) + cpo_alpha * nll
+  metrics = _pair_metrics(beta * chosen_rewards, beta * rejected_rewards, chosen_logps,
+                          rejected_logps)
+  metrics["nll_loss"] = jax.lax.stop_gradient(nll)
+  return loss, metrics
+
+
+def _log1mexp(x):
+  """``log(1 - exp(x))`` for ``x < 0``, branching at ``-log 2`` as TRL's ``log1mexp`` does (each
+  branch on inputs clamped to its side, so that the other's gradient stays finite)."""
+  t = -math.log(2)
+  return jnp.where(x < t, jnp.log1p(-jnp.exp(jnp.minimum(x, t))),
+                   jnp.log(-jnp.expm1(jnp.maximum(x, t))))
+
+
+def orpo_loss(token_logps: jax.Array, mask: jax.Array, *, beta: float = 0.1,
+              nll_mask: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """The ORPO loss of a batch of preference pairs, as TRL 1.16.0's ``ORPOTrainer`` computes it
+  (``trl/experimental/orpo/orpo_trainer.py``: ``odds_ratio_loss``, ``concatenated_forward``,
+  ``get_batch_loss_metrics``): the chosen NLL minus ``beta`` times the mean log-sigmoid of the
+  log odds ratio of the completions' per-token mean log-probabilities ``l``,
+  ``(l_c - l_r) - (log(1 - exp(l_c)) - log(1 - exp(l_r)))``.
+
+  TRL's NLL covers the chosen sequence's prompt as well as its completion: every token but the
+  first of the attention mask. Pass that as ``nll_mask`` (with ``token_logps`` over the prompt
+  too) to get TRL's value; without it, the NLL covers the completions only (``mask``).
+
+  Args:
+    token_logps: the policy's per-token log-probabilities ``[2B, T]``: the ``B`` chosen
+      sequences, then their ``B`` rejected ones (of each token given the ones before it).
+    mask: ``[2B, T]``, 1 on the completion's tokens (TRL's shifted labels that are not -100).
+    beta: the weight of the odds-ratio term (the paper's lambda).
+    nll_mask: ``[2B, T]``, 1 on the tokens of the NLL (its rejected half is unused); TRL's is
+      the attention mask without its first position. None: ``mask``.
+
+  Returns:
+    ``(loss, metrics)``: the scalar loss and TRL's metrics, ``rewards/chosen``,
+    ``rewards/rejected``, ``rewards/accuracies``, ``rewards/margins`` (``beta`` times the mean
+    log-probabilities), ``logps/chosen``, ``logps/rejected`` (the mean log-probabilities, means
+    over the pairs), ``nll_loss``, ``log_odds_ratio`` (the mean log-sigmoid of the log odds
+    ratios) and ``log_odds_chosen`` (the mean log odds ratio).
+
+  Raises:
+    ValueError: ``beta < 0``, or shapes other than these.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> logps = jnp.log(jnp.array([[0.5, 0.5], [0.2, 0.2]]))   # chosen, then rejected
+    >>> loss, metrics = orpo_loss(logps, jnp.ones((2, 2)), beta=1.0)
+    >>> float(metrics["log_odds_chosen"]), float(loss)   # log(1 / 0.25) and log 2 - log(0.8)
+    (1.3862..., 0.9162...)
+  """
+  _check_pairs("orpo_loss", token_logps, mask)
+  if nll_mask is not None and tuple(nll_mask.shape) != tuple(token_logps.shape):
+    raise ValueError(f"orpo_loss: nll_mask must have token_logps' shape "
+                     f"{tuple(token_logps.shape)}, got {tuple(nll_mask.shape)}")
+  if not beta >= 0:
+    raise ValueError(f"orpo_loss: beta must be >= 0, got {beta!r}")
+  mask = mask.astype(token_logps.dtype)
+  nll_mask = mask if nll_mask is None else nll_mask.astype(token_logps.dtype)
+  chosen_logps, rejected_logps = jnp.split(_mean_logps(token_logps, mask), 2)
+  log_odds = (chosen_logps - rejected_logps) - (_log1mexp(chosen_logps)
+                                                 - _log1mexp(rejected_logps))
+  ratio = jax.nn.log_sigmoid(log_odds)
+  nll = _chosen_nll(token_logps, nll_mask)
+  loss = nll - beta * jnp.mean(ratio)
+  metrics = _pair_metrics(beta * chosen_logps, beta * rejected_logps, chosen_logps,
+                          rejected_logps)
+  metrics["nll_loss"] = jax.lax.stop_gradient(nll)
+  metrics["log_odds_ratio"] = jnp.mean(jax.lax.stop_gradient(ratio))
+  metrics["log_odds_chosen"] = jnp.mean(jax.lax.stop_gradient(log_odds))
+  return loss, metrics
+
+
+def kto_loss(token_logps: jax.Array, mask: jax.Array, labels: jax.Array, ref_logps: jax.Array,
+             kl_logps: jax.Array | None = None, ref_kl_logps: jax.Array | None = None, *,
+             beta: float = 0.1, desirable_weight: float = 1.0, undesirable_weight: float = 1.0,
+             loss_type: str = "kto") -> tuple[jax.Array, dict[str, jax.Array]]:
+  """The KTO loss of a batch of unpaired completions labelled desirable or not, as TRL 1.16.0's
+  ``KTOTrainer`` computes it (``trl/trainer/kto_trainer.py``: ``_compute_loss``,
+  ``_prepare_dataset``; ``trl.experimental.kto`` re-exports it).
+
+  Each row's loss is ``desirable_weight * (1 - sigmoid(beta * (r - kl)))`` for a desirable
+  completion, ``undesirable_weight * (1 - sigmoid(beta * (kl - r)))`` otherwise, of its
+  log-ratio ``r`` (policy minus reference sequence log-probability); the loss is their mean over
+  the whole batch, both labels together. ``kl`` is the mean of ``kl_logps - ref_kl_logps``,
+  clamped at 0 and without gradient. ``apo_zero_unpaired`` (unpaired APO-zero) has no KL term:
+  ``1 - sigmoid(beta * r)`` and ``sigmoid(beta * r)``.
+
+  The KL term is estimated on mismatched pairs: TRL pairs each row's prompt with the previous
+  row's completion, the first row with the last's, ``(x_1, y_n), (x_2, y_1), ..., (x_n,
+  y_{n-1})`` (``jnp.roll(completions, 1, axis=0)``), within each batch of
+  ``per_device_train_batch_size`` consecutive rows (hence its sequential sampling and batches of
+  at least 2 rows), and scores them without gradient.
+
+  Args:
+    token_logps: the policy's per-token log-probabilities ``[B, T]`` (of each token given the
+      ones before it).
+    mask: ``[B, T]``, 1 on the completion's tokens (TRL's shifted completion mask).
+    labels: ``[B]`` booleans, True for the desirable completions.
+    ref_logps: the reference model's per-sequence log-probabilities ``[B]``.
+    kl_logps, ref_kl_logps: the policy's and the reference model's per-sequence
+      log-probabilities ``[B]`` of the mismatched pairs (``kto`` only; ignored otherwise).
+    beta: the KL coefficient.
+    desirable_weight, undesirable_weight: the weights of the desirable and the undesirable
+      rows' losses.
+    loss_type: one of :data:`KTO_LOSS_TYPES`.
+
+  Returns:
+    ``(loss, metrics)``: the scalar loss and TRL's metrics, ``kl`` (0 without a KL term),
+    ``rewards/chosen``, ``logps/chosen`` (means over the desirable rows; the rewards are
+    ``beta`` times the log-ratios), ``rewards/rejected``, ``logps/rejected`` (over the others)
+    and ``rewards/margins`` (their difference); NaN where the batch has no such row (TRL logs
+    nothing then).
+
+  Raises:
+    ValueError: an unknown loss type, ``beta <= 0``, labels that are not booleans, ``kto``
+      without ``kl_logps`` and ``ref_kl_logps`` or with a single row, or shapes other than
+      these.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> logps = jnp.log(jnp.array([[0.5, 0.5], [0.2, 0.5]]))
+    >>> labels = jnp.array([True, False])
+    >>> ref = jnp.log(jnp.array([0.25, 0.25]))
+    >>> loss, metrics = kto_loss(logps, jnp.ones((2, 2)), labels, ref, ref, ref, beta=1.0)
+    >>> float(loss), float(metrics["rewards/margins"])   # (1 - 1 / 2 + 1 - 2.5 / 3.5) / 2
+    (0.3928..., 0.9162...)
+  """
+  shape = tuple(token_logps.shape)
+  if len(shape) != 2 or shape[0] == 0:
+    raise ValueError(f"kto_loss: token_logps must be [B, T], got shape {shape}")
+  rows = shape[:1]
+  for name, array, want in (("mask", mask, shape), ("labels", labels, rows),
+                            ("ref_logps", ref_logps, rows)):
+    if tuple(array.shape) != want:
+      raise ValueError(f"kto_loss: {name} must have shape {want}, got {tuple(array.shape)}")
+  if labels.dtype != jnp.bool_:
+    raise ValueError(f"kto_loss: labels must be booleans (True: desirable), got {labels.dtype}")
+  if loss_type not in KTO_LOSS_TYPES:
+    raise ValueError(f"kto_loss: loss_type must be one of {KTO_LOSS_TYPES}, got {loss_type!r}")
+  if not beta > 0:
+    raise ValueError(f"kto_loss: beta must be > 0, got {beta!r}")
+  mask = mask.astype(token_logps.dtype)
+  logps = jnp.sum(token_logps * mask, axis=1)
+  logratios = logps - ref_logps.astype(logps.dtype)
+  if loss_type == "kto":
+    if kl_logps is None or ref_kl_logps is None:
+      raise ValueError("kto_loss: loss_type 'kto' needs kl_logps and ref_kl_logps, the "
+                       "log-probabilities of the mismatched (prompt, completion) pairs")
+    for name, array in (("kl_logps", kl_logps), ("ref_kl_logps", ref_kl_logps)):
+      if tuple(array.shape) != rows:
+        raise ValueError(f"kto_loss: {name} must have shape {rows}, got {tuple(array.shape)}")
+    if rows[0] < 2:
+      raise ValueError("kto_loss: loss_type 'kto' needs a batch of at least 2 rows (with one, "
+                       "the KL estimate is the row's own log-ratio)")
+    kl = jnp.mean(kl_logps.astype(logps.dtype) - ref_kl_logps.astype(logps.dtype))
+    kl = jax.lax.stop_gradient(jnp.maximum(kl, 0.0))
+    chosen_losses = 1 - jax.nn.sigmoid(beta * (logratios - kl))
+    rejected_losses = 1 - jax.nn.sigmoid(beta * (kl - logratios))
+  else:   # apo_zero_unpaired
+    kl = jnp.zeros((), logps.dtype)
+    chosen_losses = 1 - jax.nn.sigmoid(beta * logratios)
+    rejected_losses = jax.nn.sigmoid(beta * logratios)
+  losses = jnp.where(labels, desirable_weight * chosen_losses,
+                     undesirable_weight * rejected_losses)
+  loss = jnp.mean(losses)
+
+  rewards = beta * jax.lax.stop_gradient(logratios)
+  logps = jax.lax.stop_gradient(logps)
+
+  def mean_over(rows_mask, values):
+    count = jnp.sum(rows_mask)
+    total = jnp.sum(jnp.where(rows_mask, values, 0.0))
+    return jnp.where(count > 0, total / jnp.maximum(count, 1), jnp.nan)
+
+  metrics = {
+      "kl": kl,
+      "rewards/chosen": mean_over(labels, rewards),
+      "logps/chosen": mean_over(labels, logps),
+      "rewards/rejected": mean_over(~labels, rewards),
+      "logps/rejected": mean_over(~labels, logps),
+  }
+  metrics["rewards/margins"] = metrics["rewards/chosen"] - metrics["rewards/rejected"]
   return loss, metrics

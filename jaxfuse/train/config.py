@@ -39,6 +39,15 @@ DTYPES = ("float32", "bfloat16", "float16")
 LOSS_ON = ("all", "completion")
 LONG_DOCUMENTS = ("auto", "split", "truncate")
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+OBJECTIVES = ("sft", "dpo", "cpo", "simpo", "orpo")
+# The options each objective takes (the others must stay unset).
+OBJECTIVE_OPTIONS = {
+    "sft": (),
+    "dpo": ("beta", "loss_type", "label_smoothing", "ld_alpha", "reference_free"),
+    "cpo": ("beta", "loss_type", "label_smoothing", "simpo_gamma", "cpo_alpha"),
+    "simpo": ("beta", "loss_type", "label_smoothing", "simpo_gamma", "cpo_alpha"),
+    "orpo": ("beta",),
+}
 REMAT_POLICIES = tuple(sorted(remat.PRESETS) + sorted(remat.RECIPES))
 
 
@@ -88,6 +97,23 @@ class TrainConfig:
   # objective
   loss_on: str = option("all", "objective", "the tokens the loss is taken on: all, or only the "
                         "completions and assistant turns (SFT)", LOSS_ON)
+  objective: str = option("sft", "objective", "sft (next tokens), or a preference objective "
+                          "on prompt/chosen/rejected records: dpo, cpo, simpo, orpo", OBJECTIVES)
+  beta: float | None = option(None, "objective", "preference objectives: the KL coefficient "
+                              "beta (default 0.1)")
+  loss_type: str | None = option(None, "objective", "dpo: sigmoid, ipo, hinge, robust, ... or "
+                                 "several comma-separated (summed); cpo: sigmoid, hinge, ipo, "
+                                 "simpo, alphapo")
+  label_smoothing: float | None = option(None, "objective", "dpo, cpo: the preference labels' "
+                                         "noise (robust, exo_pair, aot losses)")
+  simpo_gamma: float | None = option(None, "objective", "simpo: the target reward margin "
+                                     "(default 0.5)")
+  cpo_alpha: float | None = option(None, "objective", "cpo, simpo: the weight of the chosen "
+                                   "completions' NLL (default 1 for cpo, 0 for simpo)")
+  ld_alpha: float | None = option(None, "objective", "dpo: LD-DPO's weight of the longer "
+                                  "completion's tail")
+  reference_free: bool = option(False, "objective", "dpo: no reference model (its "
+                                "log-probabilities taken as 0)")
   # optimisation
   steps: int = option(600, "optimisation", "optimizer steps (the schedule spans them)")
   batch: int = option(16, "optimisation", "rows a micro-batch; a step takes --batch x "
@@ -334,6 +360,7 @@ def check_config(cfg: TrainConfig) -> None:
   if cfg.mesh is not None:
     mesh_shape(cfg)
   _check_data(cfg)
+  _check_objective(cfg)
   _check_lora(cfg)
   expert_keep(cfg)
   joined = processes(cfg)
@@ -460,6 +487,46 @@ def _check_data(cfg: TrainConfig) -> None:
     if cfg.train_tokenizer < 257:
       raise ValueError(f"--train-tokenizer must be at least 257 tokens (the 256 bytes and an "
                        f"end-of-text token), got {cfg.train_tokenizer}")
+
+
+def objective_options(cfg: TrainConfig) -> dict[str, Any]:
+  """The options of ``--objective`` that the run sets (the others take its defaults)."""
+  options = {}
+  for name in OBJECTIVE_OPTIONS.get(cfg.objective, ()):
+    value = getattr(cfg, name)
+    if value is not None and value is not False:
+      options[name] = value
+  return options
+
+
+def _check_objective(cfg: TrainConfig) -> None:
+  """``--objective`` and its options: each objective takes only its own; preference objectives
+  read prompt/chosen/rejected records from ``--data``."""
+  if cfg.objective not in OBJECTIVES:
+    raise ValueError(f"--objective must be one of {', '.join(OBJECTIVES)}, got "
+                     f"{cfg.objective!r}")
+  defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+  mine = OBJECTIVE_OPTIONS[cfg.objective]
+  for name in sorted({n for names in OBJECTIVE_OPTIONS.values() for n in names}):
+    if getattr(cfg, name) != defaults[name] and name not in mine:
+      raise ValueError(f"--{name.replace('_', '-')} is not an option of --objective "
+                       f"{cfg.objective} (it takes {', '.join('--' + n.replace('_', '-') for n in mine) or 'none'})")
+  if cfg.objective == "sft":
+    return
+  if cfg.data is None:
+    raise ValueError(f"--objective {cfg.objective} needs --data: prompt/chosen/rejected "
+                     "records in JSON lines or Parquet")
+  given = [f for f in ("eval_data", "train_tokenizer") if getattr(cfg, f) is not None]
+  given += ["eval_share"] if cfg.eval_share else []
+  given += ["remat_budget"] if cfg.remat_budget else []
+  if given:
+    raise ValueError(f"--{given[0].replace('_', '-')} is not available with --objective "
+                     f"{cfg.objective} yet")
+  if cfg.beta is not None and not cfg.beta > 0:
+    raise ValueError(f"--beta must be > 0, got {cfg.beta}")
+  from jaxfuse.posttrain.objectives import make_objective
+
+  make_objective(cfg.objective, **objective_options(cfg))
 
 
 def _check_lora(cfg: TrainConfig) -> None:

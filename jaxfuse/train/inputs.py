@@ -7,7 +7,9 @@ library's bytes.
   export and :mod:`jaxfuse.generate` find it.
 - The batches (:class:`Inputs`): with ``--data``, :func:`jaxfuse.data.prepare`'s packed rows
   (tokens, targets, positions and segment ids; tokenized once into ``<out>/data``); without,
-  random windows of the standard library's bytes (:mod:`jaxfuse.train.corpus`). Either way the
+  random windows of the standard library's bytes (:mod:`jaxfuse.train.corpus`); for a preference
+  ``--objective``, rows of one pair each (:mod:`jaxfuse.posttrain.data`) with the reference
+  model's per-token log-probabilities once computed (:meth:`Inputs.set_reference`). Either way the
   batch of a step is a function of the step, so a resumed run sees the batches the
   uninterrupted one would have; each process builds only the rows its devices hold.
 """
@@ -28,6 +30,9 @@ from jaxfuse.train.corpus import batch_at, stdlib_corpus, unigram_entropy_bits
 
 # The arrays of a batch, in the order the model takes them.
 BATCH_KEYS = ("tokens", "targets", "positions", "segment_ids")
+# A preference batch's reference log-probabilities (per token, float32), where the objective
+# needs them.
+REFERENCE_KEY = "ref_logps"
 
 
 def tokenizer_dir(out: str | Path) -> Path:
@@ -73,12 +78,24 @@ class Inputs:
   tokenizer: Any
   prepared: data.Prepared | None = None
   corpus: tuple[np.ndarray, np.ndarray] | None = None
+  pairs: Any = None   # jaxfuse.posttrain.data.PreferenceRows
+  reference: np.ndarray | None = None
   report: str = ""
 
   @classmethod
   def load(cls, cfg: TrainConfig, tokenizer: Any, vocab_size: int, *, log=print) -> Inputs:
     """The batches of ``cfg``: ``--data`` prepared for a model of ``vocab_size`` tokens, or
     the standard library's bytes."""
+    if cfg.objective != "sft":
+      from jaxfuse.posttrain.data import read_preference_rows
+
+      pairs = read_preference_rows(cfg.data, tokenizer, seq=cfg.seq, vocab_size=vocab_size)
+      report = (f"{len(pairs)} preference pairs, one a row of {cfg.seq} tokens"
+                + (f" ({pairs.truncated} cut to {cfg.seq // 2} tokens a sequence)"
+                   if pairs.truncated else ""))
+      if jax.process_index() == 0:
+        log(f"data: {report}")
+      return cls(cfg, tokenizer, pairs=pairs, report=report)
     if cfg.data is None:
       if vocab_size < 256:
         raise ValueError(f"--init-from: the model's vocabulary ({vocab_size}) cannot hold the "
@@ -96,6 +113,8 @@ class Inputs:
 
   @property
   def fingerprint(self) -> str:
+    if self.pairs is not None:
+      return f"{self.pairs.fingerprint}/batch{self.cfg.global_batch}/seed{self.cfg.seed}"
     if self.prepared is None:
       return f"stdlib-bytes/batch{self.cfg.global_batch}/seq{self.cfg.seq}/seed{self.cfg.seed}"
     return self.prepared.train.fingerprint
@@ -116,15 +135,49 @@ class Inputs:
                            f"{self.fingerprint} (other files, tokenizer, packing, batch size, "
                            "sequence or seed): resume with the same options, or another --out")
 
+  @property
+  def keys(self) -> tuple[str, ...]:
+    """The arrays of this run's batches."""
+    if self.pairs is not None:
+      return BATCH_KEYS + ((REFERENCE_KEY,) if self.reference is not None else ())
+    return BATCH_KEYS if self.prepared is not None else BATCH_KEYS[:2]
+
+  def pair_indices(self, step: int, lo: int = 0, hi: int | None = None) -> np.ndarray:
+    """The preference rows of step ``step``'s batch, positions ``lo .. hi - 1``: an order of
+    the rows shuffled by ``--seed``, repeated."""
+    hi = self.cfg.global_batch if hi is None else hi
+    if not hasattr(self, "_order"):
+      import grain
+
+      self._order = grain.MapDataset.source(range(len(self.pairs))).shuffle(
+          seed=self.cfg.seed).repeat(None)
+    first = step * self.cfg.global_batch
+    return np.asarray([int(self._order[first + k]) for k in range(lo, hi)], np.int64)
+
+  def pair_rows(self, indices) -> dict:
+    """The preference rows ``indices`` (and their reference log-probabilities, once set)."""
+    rows = self.pairs.rows(indices)
+    if self.reference is not None:
+      rows[REFERENCE_KEY] = self.reference[np.asarray(indices)]
+    return rows
+
+  def set_reference(self, reference: np.ndarray) -> None:
+    """The reference model's per-token log-probabilities of every preference row
+    ``[pairs, seq]``: batches carry them as ``ref_logps`` from now on."""
+    assert reference.shape == self.pairs.tokens.shape, reference.shape
+    self.reference = reference.astype(np.float32)
+
   def _place(self, rows, mesh) -> dict:
     shape = (self.cfg.global_batch, self.cfg.seq)
-    keys = BATCH_KEYS if self.prepared is not None else BATCH_KEYS[:2]
+    keys = self.keys
     arrays = placement.place_batch_rows(lambda lo, hi: _ordered(rows(lo, hi), keys), shape,
                                         mesh)
     return dict(zip(keys, arrays))
 
   def train(self, step: int, mesh=None) -> dict:
     """The placed batch of ``step``."""
+    if self.pairs is not None:
+      return self._place(lambda lo, hi: self.pair_rows(self.pair_indices(step, lo, hi)), mesh)
     if self.prepared is None:
       tokens, targets = batch_at(self.corpus[0], step, self.cfg.global_batch, self.cfg.seq,
                                  self.cfg.seed)
@@ -139,7 +192,10 @@ class Inputs:
 
   def evaluation(self, mesh=None) -> list[dict]:
     """The evaluation batches (at most ``--eval-batches``): held-out windows of the byte
-    corpus, or ``--eval-data`` / ``--eval-share`` in order; none without evaluation data."""
+    corpus, or ``--eval-data`` / ``--eval-share`` in order; none without evaluation data (and
+    for preference objectives)."""
+    if self.pairs is not None:
+      return []
     if self.prepared is None:
       validation = self.corpus[1]
       batches = []

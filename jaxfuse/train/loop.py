@@ -29,8 +29,10 @@ At the end it samples text, writes ``train_log.json`` and ``loss_curve.png``
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
+import os
 import time
 from pathlib import Path
 
@@ -43,6 +45,7 @@ from flax import nnx
 from jaxfuse import remat
 from jaxfuse.metrics.peak import peak_flops
 from jaxfuse.models import IGNORE_INDEX, Decoder
+from jaxfuse.posttrain.objectives import SFT, Objective, make_objective, reference_log_probs
 from jaxfuse.train import checkpoint, config, distributed, export, placement
 from jaxfuse.train import inputs as inputs_lib
 from jaxfuse.train.config import TrainConfig
@@ -53,7 +56,7 @@ from jaxfuse.train.plot import plot_losses
 from jaxfuse.train.preemption import Preempted, StopSignals
 from jaxfuse.train.writers import MetricWriters
 
-__all__ = ["Preempted", "make_steps", "micro_batches", "train"]
+__all__ = ["Preempted", "make_steps", "micro_batches", "reference_pass", "train"]
 
 
 def micro_batches(batch: dict, count: int) -> dict:
@@ -66,57 +69,74 @@ def micro_batches(batch: dict, count: int) -> dict:
   return jax.tree.map(split, batch)
 
 
-def _accumulated(loss_fn, params, batch: dict, count: int, *, grad: bool):
-  """``(loss, grads)`` of ``loss_fn(params, batch)`` (a decoder's mean loss over the batch's
-  valid targets) over ``count`` micro-batches in a scan: each micro-batch's token losses summed
-  over the whole batch's valid targets (the decoder's ``total_targets``), so that every token
-  weighs as in one pass and the sum is the whole batch's mean; ``grads`` None without
-  ``grad``."""
+def _accumulated(loss_fn, params, batch: dict, count: int, *, grad: bool,
+                 token_weighted: bool = True):
+  """``((loss, metrics), grads)`` of ``loss_fn(params, batch) -> (loss, metrics)`` over
+  ``count`` micro-batches in a scan; ``grads`` None without ``grad``.
+
+  ``token_weighted`` (SFT: a decoder's mean loss over the batch's valid targets): each
+  micro-batch's token losses are summed over the whole batch's valid targets (the decoder's
+  ``total_targets``), so that every token weighs as in one pass and the sum is the whole batch's
+  mean. Otherwise (a mean over the batch's rows, as the preference losses are) each
+  micro-batch's loss and metrics weigh ``1 / count``."""
   micro = micro_batches(batch, count)
   total = jnp.maximum(jnp.sum(batch["targets"] != IGNORE_INDEX), 1).astype(jnp.float32)
+  share = 1.0 if token_weighted else 1.0 / count
 
   def body(carry, mb):
-    mb = {**mb, "total_targets": total}
-    out = jax.value_and_grad(loss_fn)(params, mb) if grad else (loss_fn(params, mb), None)
+    if token_weighted:
+      mb = {**mb, "total_targets": total}
+    out = (jax.value_and_grad(loss_fn, has_aux=True)(params, mb) if grad
+           else (loss_fn(params, mb), None))
+    out = jax.tree.map(lambda x: x * share, out)
     return jax.tree.map(jnp.add, carry, out), None
 
-  zero = (jnp.zeros((), jnp.float32),
+  shapes = jax.eval_shape(loss_fn, params, jax.tree.map(lambda x: x[0], micro))
+  zero = (jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), shapes),
           jax.tree.map(jnp.zeros_like, params) if grad else None)
-  (loss, grads), _ = jax.lax.scan(body, zero, micro)
-  return loss, grads
+  out, _ = jax.lax.scan(body, zero, micro)
+  return out
 
 
 def make_steps(model: Decoder, optimizer: nnx.Optimizer,
-               mesh: jax.sharding.Mesh | None = None, wrt=nnx.Param, grad_accum: int = 1):
+               mesh: jax.sharding.Mesh | None = None, wrt=nnx.Param, grad_accum: int = 1,
+               objective: Objective | None = None):
   """``(graphdef, state, train, evaluate)``: jitted ``train(state, batch) -> (state, metrics)``
   and ``evaluate(state, batch) -> loss`` over the split state of ``(model, optimizer)``, where
   ``batch`` is a dict of the model's arguments (``tokens``, ``targets``, and ``positions`` and
-  ``segment_ids`` for packed rows); the gradient is taken of the ``wrt`` variables only (the
-  optimizer's).
+  ``segment_ids`` for packed rows, and what the objective reads besides); the gradient is taken
+  of the ``wrt`` variables only (the optimizer's).
 
-  ``metrics`` holds the step's ``loss``, the gradient's global norm ``grad_norm`` (before
-  clipping), its ``loss_tokens`` and whether it was ``applied``: a step whose loss or gradient
-  is not finite leaves the model as it was (with :func:`jaxfuse.train.model.optimizer`, whose
+  ``objective`` (default :class:`~jaxfuse.posttrain.objectives.SFT`) gives the loss:
+  ``objective.loss(model, batch) -> (loss, metrics)``. ``metrics`` holds the step's ``loss``,
+  the objective's metrics, the gradient's global norm ``grad_norm`` (before clipping), its
+  ``loss_tokens`` and whether it was ``applied``: a step whose loss or gradient is not finite
+  leaves the model as it was (with :func:`jaxfuse.train.model.optimizer`, whose
   ``optax.apply_if_finite`` rejects it). With ``grad_accum`` N the batch's rows are N
   micro-batches (:func:`micro_batches`), scanned in the step and in ``evaluate``. With a
   ``mesh``, the state is placed there by its logical axes (and kept so by ``train``). Call them
   under ``jax.set_mesh(mesh)``: the model reads the mesh as it traces."""
+  objective = SFT() if objective is None else objective
   graphdef, state = nnx.split((model, optimizer))
 
   def loss_fn(params, rest, batch):
     # Variables of this trace (copies), which nnx.remat inside the model may update.
-    return nnx.merge(module_def, params, rest, copy=True)(**batch)
+    return objective.loss(nnx.merge(module_def, params, rest, copy=True), batch)
 
   module_def, _, _ = nnx.split(model, wrt, ...)
+
+  def objective_loss(params, rest, batch, grad):
+    if grad_accum == 1:
+      if grad:
+        return jax.value_and_grad(loss_fn, has_aux=True)(params, rest, batch)
+      return loss_fn(params, rest, batch), None
+    return _accumulated(lambda p, b: loss_fn(p, rest, b), params, batch, grad_accum,
+                        grad=grad, token_weighted=objective.token_weighted)
 
   def train(state, batch):
     model, optimizer = nnx.merge(graphdef, state)
     _, params, rest = nnx.split(model, wrt, ...)
-    if grad_accum == 1:
-      loss, grads = jax.value_and_grad(loss_fn)(params, rest, batch)
-    else:
-      loss, grads = _accumulated(lambda p, b: loss_fn(p, rest, b), params, batch, grad_accum,
-                                 grad=True)
+    (loss, extra), grads = objective_loss(params, rest, batch, True)
     grad_norm = optax.tree.norm(grads)
     # The optimizer rejects a gradient that is not finite everywhere (optax.apply_if_finite:
     # the state stays as it was); a loss that is not finite rejects the step as well.
@@ -124,16 +144,13 @@ def make_steps(model: Decoder, optimizer: nnx.Optimizer,
     applied = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
     optimizer.update(model, grads)
     tokens = jnp.sum(batch["targets"] != IGNORE_INDEX)
-    return nnx.state((model, optimizer)), {"loss": loss, "grad_norm": grad_norm,
+    return nnx.state((model, optimizer)), {**extra, "loss": loss, "grad_norm": grad_norm,
                                            "loss_tokens": tokens, "applied": applied}
 
   def evaluate(state, batch):
     model, _ = nnx.merge(graphdef, state)
-    if grad_accum == 1:
-      return model(**batch)
     _, params, rest = nnx.split(model, wrt, ...)
-    return _accumulated(lambda p, b: loss_fn(p, rest, b), params, batch, grad_accum,
-                        grad=False)[0]
+    return objective_loss(params, rest, batch, False)[0][0]
 
   if mesh is None:
     return graphdef, state, jax.jit(train, donate_argnums=0), jax.jit(evaluate)
@@ -141,6 +158,56 @@ def make_steps(model: Decoder, optimizer: nnx.Optimizer,
   one = placement.replicated(mesh)
   return (graphdef, state, jax.jit(train, donate_argnums=0, out_shardings=(shardings, one)),
           jax.jit(evaluate, out_shardings=one))
+
+
+def reference_pass(cfg: TrainConfig, graphdef, state, inputs: Inputs, mesh, *, log
+                   ) -> np.ndarray:
+  """The reference model's per-token log-probabilities of every preference row ``[pairs,
+  seq]``: the model of ``state`` as built, before any step (with LoRA the adapters add zero: the
+  base), computed once a batch at a time and cached in ``<out>/reference`` under a fingerprint
+  of the rows and the model's source, where a resumed run reads them back."""
+  source = {"rows": inputs.pairs.fingerprint, "dtype": cfg.dtype, "baseline": cfg.baseline,
+            "model": _model_source(cfg)}
+  key = hashlib.sha256(json.dumps(source, sort_keys=True).encode()).hexdigest()[:20]
+  path = Path(cfg.out) / "reference" / f"{key}.npy"
+  if path.is_file():
+    log(f"reference: reading the reference log-probabilities from {path}")
+    return np.load(path)
+  rows = len(inputs.pairs)
+  size = cfg.global_batch
+
+  def run(state, batch):
+    model, _ = nnx.merge(graphdef, state)
+    return reference_log_probs(model, batch)
+
+  step = jax.jit(run) if mesh is None else jax.jit(
+      run, out_shardings=placement.replicated(mesh))
+  started = time.perf_counter()
+  out = np.zeros(inputs.pairs.tokens.shape, np.float32)
+  for first in range(0, rows, size):
+    indices = np.arange(first, first + size) % rows   # the last batch padded by wrapping round
+    batch = inputs._place(lambda lo, hi, i=indices: inputs.pair_rows(i[lo:hi]), mesh)
+    values = np.asarray(jax.device_get(step(state, batch)))
+    take = min(size, rows - first)
+    out[first:first + take] = values[:take]
+  log(f"reference: the reference log-probabilities of {rows} pairs in "
+      f"{time.perf_counter() - started:.1f} s, cached in {path}")
+  if jax.process_index() == 0:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp.npy")
+    np.save(tmp, out)
+    os.replace(tmp, path)
+  return out
+
+
+def _model_source(cfg: TrainConfig) -> dict:
+  """What the initial model is built from: the checkpoint's files (path, size, time), or the
+  configuration and seed of a model from scratch."""
+  if cfg.init_from:
+    files = sorted(p for p in Path(cfg.init_from).iterdir() if p.is_file())
+    return {"init_from": str(Path(cfg.init_from).resolve()),
+            "files": [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]}
+  return {"scratch": [cfg.d_model, cfg.layers, cfg.heads, cfg.kv_heads, cfg.mlp, cfg.seed]}
 
 
 def _progress():
@@ -162,6 +229,10 @@ def _plan_remat(cfg: TrainConfig, model: Decoder, inputs: Inputs):
                     choices=config.remat_choices(cfg))
   model.set_remat(plan, config.segments(cfg))
   return plan
+
+
+# What every step's metrics hold; the objective adds its own.
+STEP_METRICS = ("loss", "grad_norm", "loss_tokens", "applied")
 
 
 class _Metrics:
@@ -219,11 +290,15 @@ class _Metrics:
         continue
       self.history["step"].append(step)
       self.history["loss"].append(loss)
+      extra = {k: float(v) for k, v in m.items() if k not in STEP_METRICS}
+      for name, value in extra.items():   # the objective's own (reward margins, accuracies)
+        self.history.setdefault("metrics", {}).setdefault(name, []).append(value)
       if self.writers is not None:
         self.writers.write(step, {
             "train/loss": loss, "train/grad_norm": float(m["grad_norm"]),
             "train/learning_rate": float(learning_rate(self.cfg, step - 1)),
-            "train/loss_tokens": int(m["loss_tokens"])})
+            "train/loss_tokens": int(m["loss_tokens"]),
+            **{f"train/{k}": v for k, v in extra.items()}})
     if self.writers is not None:
       self.writers.write(steps[-1], {"perf/tokens_per_second": self.rate, "perf/mfu": self.mfu,
                                      "train/skipped_steps": len(self.history["skipped"])})
@@ -266,10 +341,15 @@ def train(cfg: TrainConfig, *, log=print) -> dict:
   if cfg.remat_budget:
     plan = _plan_remat(cfg, model, inputs)
     log(str(plan))
+  objective = make_objective(cfg.objective, **config.objective_options(cfg))
   graphdef, state, train_step, eval_step = make_steps(model, optimizer, mesh,
                                                       wrt=trained(cfg),
-                                                      grad_accum=cfg.grad_accum)
+                                                      grad_accum=cfg.grad_accum,
+                                                      objective=objective)
   on_mesh = contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
+  if objective.needs_reference:   # before resuming: the initial model is the reference
+    with on_mesh:
+      inputs.set_reference(reference_pass(cfg, graphdef, state, inputs, mesh, log=log))
   start, state, meta, manager = checkpoint.resume(manager, out / "checkpoints", state,
                                                   resume=cfg.resume, log=log)
   if meta is not None:
@@ -301,7 +381,8 @@ def train(cfg: TrainConfig, *, log=print) -> dict:
         "history": history, "config": cfg.as_dict(), "data": inputs.fingerprint})
 
   # Bits per byte for the byte corpus (a token is a byte); nats per token otherwise.
-  unit, per = (LN2, "bits/byte") if inputs.corpus is not None else (1.0, "nats/token")
+  unit, per = ((LN2, "bits/byte") if inputs.corpus is not None
+               else (1.0, "nats/token" if objective.token_weighted else f"({objective.name})"))
   end = cfg.stop_at or cfg.steps
   progress = _progress() if lead else None
   started = time.perf_counter()
@@ -338,7 +419,11 @@ def train(cfg: TrainConfig, *, log=print) -> dict:
           last = history["loss"][-1] / unit if history["loss"] else math.nan
           rate = f" {metrics.rate:,.0f} tok/s" if metrics.rate else ""
           mfu = f" MFU {metrics.mfu:.1%}" if metrics.mfu is not None else ""
-          progress.update(task, completed=done, status=f"loss {last:.3f}{val} {per}{rate}{mfu}")
+          shown = "".join(f" {name.split('/')[-1]} {history['metrics'][name][-1]:.3f}"
+                          for name in objective.progress_metrics
+                          if history.get("metrics", {}).get(name))
+          progress.update(task, completed=done,
+                          status=f"loss {last:.3f}{shown}{val} {per}{rate}{mfu}")
   finally:
     if writers is not None:
       writers.close()

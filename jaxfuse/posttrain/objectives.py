@@ -1,0 +1,185 @@
+"""What a training step minimises: an objective object, ``objective.loss(model, batch) ->
+(loss, metrics)``, which the training loop calls whatever the objective is.
+
+- :class:`SFT`: the decoder's mean next-token loss (its fused cross-entropy).
+- :class:`DPO`, :class:`CPO` (SimPO and AlphaPO among its loss types), :class:`ORPO`: preference
+  objectives over rows that hold a pair each (:mod:`jaxfuse.posttrain.data`): the policy's
+  per-token log-probabilities from the fused head (:meth:`jaxfuse.models.Decoder.token_log_probs`,
+  no ``[tokens, V]`` logits), split into the chosen and the rejected completions, then the loss
+  of :mod:`jaxfuse.posttrain.losses`. DPO reads the reference model's per-token
+  log-probabilities from the batch (``ref_logps``), computed once before training
+  (:func:`reference_log_probs`).
+
+Every objective states how micro-batches of a step combine (``token_weighted``: SFT weighs every
+target token alike across them; the preference losses are means over pairs, so each
+micro-batch's loss weighs the same) and whether it needs a reference (``needs_reference``).
+
+Example:
+  >>> objective = make_objective("dpo", beta=0.1, loss_type="sigmoid")
+  >>> objective.name, objective.needs_reference, objective.token_weighted
+  ('dpo', True, False)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxfuse.posttrain import losses
+from jaxfuse.data.packing import IGNORE_INDEX
+from jaxfuse.posttrain.data import pair_masks
+
+__all__ = ["CPO", "DPO", "OBJECTIVES", "ORPO", "SFT", "Objective", "make_objective",
+           "pair_log_probs", "reference_log_probs"]
+
+
+class Objective:
+  """The interface: ``loss(model, batch) -> (scalar loss, {name: scalar})``."""
+  name = "objective"
+  needs_reference = False
+  token_weighted = False
+  # The metrics the progress bar shows, by their names in ``loss``'s metrics.
+  progress_metrics: tuple[str, ...] = ()
+
+  def loss(self, model, batch: dict) -> tuple[jax.Array, dict[str, jax.Array]]:
+    raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True)
+class SFT(Objective):
+  """Supervised fine-tuning: the model's mean cross-entropy over the batch's targets."""
+  name = "sft"
+  token_weighted = True
+
+  def loss(self, model, batch):
+    return model(**batch), {}
+
+
+def pair_log_probs(model, batch: dict, *, temperature: float = 1.0):
+  """``(token_logps, mask)`` ``[2B, seq]`` of preference rows ``[B, seq]``: the policy's
+  per-token log-probabilities on the chosen completions (rows ``0..B-1``) and on the rejected
+  ones (rows ``B..2B-1``), 0 elsewhere, and their masks: TRL's batch layout."""
+  logps = model.token_log_probs(batch["tokens"], batch["targets"], batch.get("positions"),
+                                batch.get("segment_ids"), temperature=temperature)
+  return split_pairs(logps, batch)
+
+
+def split_pairs(token_values, batch):
+  """Per-token values ``[B, seq]`` of preference rows as ``[2B, seq]``: chosen, then rejected."""
+  chosen, rejected = pair_masks(batch["targets"], batch["segment_ids"])
+  mask = jnp.concatenate([chosen, rejected]).astype(jnp.float32)
+  values = jnp.concatenate([token_values, token_values]) * mask
+  return values, mask
+
+
+@dataclasses.dataclass(frozen=True)
+class DPO(Objective):
+  """Direct preference optimisation and its variants (:func:`jaxfuse.posttrain.dpo_loss`'s
+  options); the reference's log-probabilities come in the batch as ``ref_logps``."""
+  beta: float = 0.1
+  loss_type: str | tuple[str, ...] = "sigmoid"
+  loss_weights: tuple[float, ...] | None = None
+  label_smoothing: float = 0.0
+  ld_alpha: float | None = None
+  reference_free: bool = False
+  name = "dpo"
+  progress_metrics = ("rewards/margins", "rewards/accuracies")
+
+  @property
+  def needs_reference(self) -> bool:
+    return not self.reference_free
+
+  def loss(self, model, batch):
+    token_logps, mask = pair_log_probs(model, batch)
+    if self.reference_free:
+      ref = jnp.zeros(mask.shape[0], jnp.float32)
+    else:
+      ref_tokens, _ = split_pairs(batch["ref_logps"], batch)
+      ref = losses.sequence_logps(ref_tokens, mask, self.ld_alpha)
+    return losses.dpo_loss(token_logps, jax.lax.stop_gradient(ref), mask, beta=self.beta,
+                           loss_type=self.loss_type, loss_weights=self.loss_weights,
+                           label_smoothing=self.label_smoothing, ld_alpha=self.ld_alpha,
+                           reference_free=self.reference_free)
+
+
+@dataclasses.dataclass(frozen=True)
+class CPO(Objective):
+  """Contrastive preference optimisation (:func:`jaxfuse.posttrain.cpo_loss`): no reference;
+  ``loss_type="simpo"`` is SimPO (length-normalised, with the margin ``simpo_gamma``)."""
+  beta: float = 0.1
+  loss_type: str = "sigmoid"
+  label_smoothing: float = 0.0
+  simpo_gamma: float = 0.5
+  cpo_alpha: float = 1.0
+  name = "cpo"
+  progress_metrics = ("rewards/margins", "rewards/accuracies")
+
+  def loss(self, model, batch):
+    token_logps, mask = pair_log_probs(model, batch)
+    return losses.cpo_loss(token_logps, mask, beta=self.beta, loss_type=self.loss_type,
+                           label_smoothing=self.label_smoothing, simpo_gamma=self.simpo_gamma,
+                           cpo_alpha=self.cpo_alpha)
+
+
+@dataclasses.dataclass(frozen=True)
+class ORPO(Objective):
+  """Odds-ratio preference optimisation (:func:`jaxfuse.posttrain.orpo_loss`): no reference."""
+  beta: float = 0.1
+  name = "orpo"
+  progress_metrics = ("rewards/margins", "rewards/accuracies")
+
+  def loss(self, model, batch):
+    # TRL's NLL covers the chosen sequence's prompt too: the log-probabilities of every next
+    # token of each sequence, of which the completions' make the odds ratio.
+    every = sequence_targets(batch["tokens"], batch["segment_ids"])
+    logps = model.token_log_probs(batch["tokens"], every, batch.get("positions"),
+                                  batch.get("segment_ids"))
+    token_logps, nll_mask = split_pairs(logps, {**batch, "targets": every})
+    _, mask = split_pairs(logps, batch)   # the completions'
+    return losses.orpo_loss(token_logps, mask, beta=self.beta, nll_mask=nll_mask)
+
+
+def sequence_targets(tokens, segment_ids):
+  """Every next token of the same sequence as a target (``IGNORE_INDEX`` at each sequence's
+  last token and on padding): the targets of an NLL over prompt and completion."""
+  same = (segment_ids[:, 1:] == segment_ids[:, :-1]) & (segment_ids[:, 1:] > 0)
+  nxt = jnp.where(same, tokens[:, 1:], IGNORE_INDEX)
+  return jnp.concatenate([nxt, jnp.full_like(tokens[:, :1], IGNORE_INDEX)], axis=1)
+
+
+OBJECTIVES = ("sft", "dpo", "cpo", "simpo", "orpo")
+
+
+def make_objective(name: str, **options: Any) -> Objective:
+  """The objective ``name`` (:data:`OBJECTIVES`) with ``options`` (its dataclass fields; those
+  that are None take the objective's default). ``simpo`` is :class:`CPO` with
+  ``loss_type="simpo"`` and ``cpo_alpha=0`` by default, as TRL's SimPO recipe.
+
+  Raises:
+    ValueError: an unknown objective, or an option it does not take.
+  """
+  options = {k: v for k, v in options.items() if v is not None}
+  if name == "simpo":
+    name, options = "cpo", {"loss_type": "simpo", "cpo_alpha": 0.0, **options}
+  kinds = {"sft": SFT, "dpo": DPO, "cpo": CPO, "orpo": ORPO}
+  if name not in kinds:
+    raise ValueError(f"--objective must be one of {', '.join(OBJECTIVES)}, got {name!r}")
+  kind = kinds[name]
+  known = {f.name for f in dataclasses.fields(kind)}
+  unknown = sorted(set(options) - known)
+  if unknown:
+    raise ValueError(f"--objective {name} does not take "
+                     f"{', '.join('--' + u.replace('_', '-') for u in unknown)}")
+  if isinstance(options.get("loss_type"), str) and "," in options["loss_type"]:
+    options["loss_type"] = tuple(options["loss_type"].split(","))
+  return kind(**options)
+
+
+def reference_log_probs(model, batch: dict) -> jax.Array:
+  """The reference model's per-token log-probabilities ``[B, seq]`` of a batch's targets (0
+  where none): what :class:`DPO` reads as ``ref_logps``."""
+  return model.token_log_probs(batch["tokens"], batch["targets"], batch.get("positions"),
+                               batch.get("segment_ids"))
