@@ -47,6 +47,9 @@ class Objective:
   def loss(self, model, batch: dict) -> tuple[jax.Array, dict[str, jax.Array]]:
     raise NotImplementedError
 
+  def check(self) -> None:
+    """Raises ValueError for options the loss refuses (before anything is built)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class SFT(Objective):
@@ -92,6 +95,13 @@ class DPO(Objective):
   def needs_reference(self) -> bool:
     return not self.reference_free
 
+  def check(self):
+    jax.eval_shape(lambda: losses.dpo_loss(
+        jnp.zeros((2, 1)), jnp.zeros(2), jnp.ones((2, 1)), beta=self.beta,
+        loss_type=self.loss_type, loss_weights=self.loss_weights,
+        label_smoothing=self.label_smoothing, ld_alpha=self.ld_alpha,
+        reference_free=self.reference_free))
+
   def loss(self, model, batch):
     token_logps, mask = pair_log_probs(model, batch)
     if self.reference_free:
@@ -117,6 +127,12 @@ class CPO(Objective):
   name = "cpo"
   progress_metrics = ("rewards/margins", "rewards/accuracies")
 
+  def check(self):
+    jax.eval_shape(lambda: losses.cpo_loss(
+        jnp.zeros((2, 1)), jnp.ones((2, 1)), beta=self.beta, loss_type=self.loss_type,
+        label_smoothing=self.label_smoothing, simpo_gamma=self.simpo_gamma,
+        cpo_alpha=self.cpo_alpha))
+
   def loss(self, model, batch):
     token_logps, mask = pair_log_probs(model, batch)
     return losses.cpo_loss(token_logps, mask, beta=self.beta, loss_type=self.loss_type,
@@ -130,6 +146,10 @@ class ORPO(Objective):
   beta: float = 0.1
   name = "orpo"
   progress_metrics = ("rewards/margins", "rewards/accuracies")
+
+  def check(self):
+    jax.eval_shape(lambda: losses.orpo_loss(jnp.zeros((2, 1)), jnp.ones((2, 1)),
+                                            beta=self.beta))
 
   def loss(self, model, batch):
     # TRL's NLL covers the chosen sequence's prompt too: the log-probabilities of every next
@@ -175,7 +195,9 @@ def make_objective(name: str, **options: Any) -> Objective:
                      f"{', '.join('--' + u.replace('_', '-') for u in unknown)}")
   if isinstance(options.get("loss_type"), str) and "," in options["loss_type"]:
     options["loss_type"] = tuple(options["loss_type"].split(","))
-  return kind(**options)
+  objective = kind(**options)
+  objective.check()
+  return objective
 
 
 def reference_log_probs(model, batch: dict) -> jax.Array:
