@@ -260,8 +260,9 @@ def test_chat_errors_name_the_record(hf_tokenizer, tmp_path):
                                            r"chat template"):
     data.encode_record(record, data.ByteTokenizer())
   # A template that starts with the message count renders no conversation's beginning as a
-  # prefix of the whole.
-  hf_tokenizer.chat_template, template = "{{ messages|length }}" + CHAT_TEMPLATE, CHAT_TEMPLATE
+  # prefix of the whole, and one that upper-cases the contents does not render the assistant's.
+  shouting = CHAT_TEMPLATE.replace("m['content']", "(m['content']|upper)")
+  hf_tokenizer.chat_template, template = "{{ messages|length }}" + shouting, CHAT_TEMPLATE
   try:
     with pytest.raises(data.ChatTemplateError, match=r"c\.jsonl:7: .* not prefix-stable"):
       data.encode_record(record, hf_tokenizer)

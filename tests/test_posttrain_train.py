@@ -198,3 +198,31 @@ def test_bad_preference_rows_are_named_and_touch_nothing(files, tmp_path, row, m
 def test_objective_options_are_checked_by_name(argv, message):
   with pytest.raises(ValueError, match=message):
     jtrain.check_config(jtrain.parse_args(argv))
+
+
+def test_chat_pairs_learn_only_the_answer_after_the_prompt(files, tmp_path):
+  """Chat pairs (TRL's conversational preference format) render through the tokenizer's chat
+  template; the targets are the final assistant turn's tokens only, not an earlier one's in
+  the prompt."""
+  checkpoint, _ = files
+  tokenizer = data.load_tokenizer(checkpoint)
+  prompt = [{"role": "user", "content": "What is 1 plus 1?"},
+            {"role": "assistant", "content": "It is 2."},
+            {"role": "user", "content": "And 2 plus 2?"}]
+  row = {"prompt": prompt, "chosen": [{"role": "assistant", "content": "It is 4."}],
+         "rejected": [{"role": "assistant", "content": "It is 5."}]}
+  path = tmp_path / "chat.jsonl"
+  path.write_text(json.dumps(row) + "\n")
+  from jaxfuse.posttrain.data import read_preference_rows
+
+  rows = read_preference_rows(path, tokenizer, seq=256)
+  for side, answer in ((1, "It is 4."), (2, "It is 5.")):
+    where = rows.segment_ids[0] == side
+    ids = rows.tokens[0][where]
+    whole = tokenizer.apply_chat_template(prompt + [row["chosen" if side == 1 else "rejected"][0]],
+                                          tokenize=True)
+    whole = whole["input_ids"] if hasattr(whole, "keys") else whole
+    assert ids.tolist() == list(whole)
+    targets = rows.targets[0][where]
+    learned = tokenizer.decode([t for t in targets if t != -100])
+    assert learned == answer + tokenizer.eos_token   # the template closes the turn with EOS

@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -126,20 +126,28 @@ def load_tokenizer(directory: str | os.PathLike) -> Any:
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: str | os.PathLike, *,
-                    chat_template: str | None = None) -> Any:
+                    chat_template: str | None = None,
+                    additional_special_tokens: Sequence[str] = ()) -> Any:
   """A byte-level BPE of at most ``vocab_size`` tokens trained on ``texts``, with
   ``<|endoftext|>`` as its EOS, saved as Hugging Face tokenizer files in ``out_dir`` (which
   ``transformers.AutoTokenizer.from_pretrained`` loads) and returned loaded from there.
 
+  ``additional_special_tokens``: strings that are one special token each, never split nor
+  merged (a chat template's markers such as ``<|im_start|>``), with the ids after EOS's.
+
   Example:
     >>> import tempfile
-    >>> tokenizer = train_tokenizer(["low lower lowest"] * 4, 270, tempfile.mkdtemp())
+    >>> tokenizer = train_tokenizer(["low lower lowest"] * 4, 270, tempfile.mkdtemp(),
+    ...                             additional_special_tokens=["<|im_end|>"])
     >>> tokenizer.decode(tokenizer.encode("lowest")), tokenizer.eos_token
     ('lowest', '<|endoftext|>')
+    >>> tokenizer.convert_ids_to_tokens(tokenizer.encode("low<|im_end|>"))
+    ['low', '<|im_end|>']
   """
-  if vocab_size < 257:
-    raise TokenizerError(f"{out_dir}: vocab_size must be at least 257 (256 bytes and "
-                         f"{END_OF_TEXT}), got {vocab_size}")
+  specials = [END_OF_TEXT, *(t for t in additional_special_tokens if t != END_OF_TEXT)]
+  if vocab_size < 256 + len(specials):
+    raise TokenizerError(f"{out_dir}: vocab_size must be at least {256 + len(specials)} (256 "
+                         f"bytes and the special tokens {specials}), got {vocab_size}")
 
   from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
   from transformers import PreTrainedTokenizerFast
@@ -147,11 +155,13 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: str | os.Pat
   bpe = Tokenizer(models.BPE())
   bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
   bpe.decoder = decoders.ByteLevel()
-  trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[END_OF_TEXT],
+  trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
                                 initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                 show_progress=False)
   bpe.train_from_iterator(texts, trainer=trainer)
   tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=END_OF_TEXT)
+  if specials[1:]:
+    tokenizer.add_special_tokens({"additional_special_tokens": specials[1:]})
   if chat_template is not None:
     tokenizer.chat_template = chat_template
   tokenizer.save_pretrained(str(out_dir))

@@ -75,3 +75,30 @@ def test_a_mesh_that_does_not_fit_is_refused(tmp_path, capsys, extra, message):
   assert train.main([*TINY, "--out", str(tmp_path / "run"), *extra]) == 2
   assert message in capsys.readouterr().err
   assert not (tmp_path / "run").exists()
+
+
+def test_dpo_on_a_mesh_gives_the_single_device_losses(tmp_path):
+  """Preference rows, the reference pass and the DPO loss split over data, fsdp and tensor
+  (the vocabulary split in the fused log-probabilities) give one device's losses."""
+  import json
+
+  from jaxfuse.testing.checkpoints import write_tiny_checkpoint
+
+  checkpoint = write_tiny_checkpoint(tmp_path / "ckpt", initializer_range=0.1)
+  pairs = [{"prompt": f"What is {i} plus 2?", "chosen": f" {i + 2}.",
+            "rejected": f" {i + 3}, or so."} for i in range(16)]
+  (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
+
+  def run(out, *extra):
+    cfg = train.parse_args(["--objective", "dpo", "--init-from", str(checkpoint), "--data",
+                            str(tmp_path / "pairs.jsonl"), "--steps", "4", "--warmup", "1",
+                            "--batch", "4", "--seq", "48", "--lr", "3e-3", "--log-every", "1",
+                            "--sample-tokens", "0", "--out", str(tmp_path / out), *extra])
+    return train.train(cfg, log=lambda *_: None)["history"]
+
+  one = run("one")
+  mesh = run("mesh", "--mesh", "data=2,fsdp=2,tensor=2")
+  np.testing.assert_allclose(mesh["loss"], one["loss"], rtol=1e-5)
+  np.testing.assert_allclose(mesh["metrics"]["rewards/margins"],
+                             one["metrics"]["rewards/margins"], rtol=1e-4, atol=1e-6)
+  assert one["loss"][-1] < one["loss"][0]
