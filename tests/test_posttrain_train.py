@@ -226,3 +226,42 @@ def test_chat_pairs_learn_only_the_answer_after_the_prompt(files, tmp_path):
     targets = rows.targets[0][where]
     learned = tokenizer.decode([t for t in targets if t != -100])
     assert learned == answer + tokenizer.eos_token   # the template closes the turn with EOS
+
+
+@pytest.mark.parametrize("row,message", [
+    ({"prompt": "Q", "completion": "A", "label": "yes"},
+     r"kto.jsonl:2: 'label' must be a boolean \(true: a desirable completion\), got 'yes'"),
+    ({"prompt": "Q", "completion": "A", "label": 1}, r"kto.jsonl:2: 'label' must be a boolean"),
+    ({"prompt": "Q", "label": True}, r"kto.jsonl:2: a KTO record needs 'prompt', 'completion' "
+                                     r"and 'label'; it has no 'completion'"),
+    ({"prompt": "Q", "completion": "", "label": False}, r"kto.jsonl:2: 'completion' is empty"),
+])
+def test_bad_kto_rows_are_named_and_touch_nothing(files, tmp_path, row, message):
+  checkpoint, _ = files
+  out = tmp_path / "run"
+  out.mkdir()
+  (out / "train_log.json").write_text("a previous run's log")
+  path = tmp_path / "kto.jsonl"
+  path.write_text(json.dumps({"prompt": "Q", "completion": "A", "label": True}) + "\n"
+                  + json.dumps(row) + "\n")
+  with pytest.raises(data.DataError, match=message):
+    jtrain.train(_args(checkpoint, path, out, "--objective", "kto"), log=lambda *_: None)
+  assert (out / "train_log.json").read_text() == "a previous run's log"
+
+
+def test_kto_run_learns(files, tmp_path):
+  """KTO on the pairs' completions, each labelled: the reference is the initial model, so the
+  first step's KL estimate is 0 and the reward margin between desirable and undesirable
+  completions grows."""
+  checkpoint, _ = files
+  records = [{"prompt": r["prompt"], "completion": r[k], "label": k == "chosen"}
+             for r in _pairs() for k in ("chosen", "rejected")]
+  path = tmp_path / "kto.jsonl"
+  path.write_text("".join(json.dumps(r) + "\n" for r in records))
+  history = jtrain.train(_args(checkpoint, path, tmp_path / "run", "--objective", "kto",
+                               "--beta", "0.2"), log=lambda *_: None)["history"]
+  assert history["metrics"]["kl"][0] == 0.0
+  assert history["loss"][0] == pytest.approx(0.5, rel=1e-6)   # 1 - sigmoid(0) for every row
+  # NaN where a step's batch has no completion of one label (TRL logs nothing then).
+  margins = history["metrics"]["rewards/margins"]
+  assert np.nanmean(margins[-8:]) > np.nanmean(margins[:5]) + 0.5, margins

@@ -305,3 +305,81 @@ def test_cpo_simpo_and_orpo_match_trl_on_the_model(setup, tmp_path):
     worst[name] = compare(name, loss, grads,
                           _trl_pair_loss(kind, hf, trl_batch, options, tmp_path))
   print("\nworst relative error per case: " + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()))
+
+
+def _trl_kto(hf, rows, ref, ref_kl, options):
+  """TRL's ``KTOTrainer._compute_loss`` on the Hugging Face model (a stand-in returns what its
+  fused LM head would), the mismatched pairs as its ``KL_`` inputs."""
+  from trl.trainer.kto_trainer import KTOTrainer
+
+  trainer = object.__new__(KTOTrainer)
+  trainer.beta = options["beta"]
+  trainer.loss_type = options.get("loss_type", "kto")
+  trainer.desirable_weight = options.get("desirable_weight", 1.0)
+  trainer.undesirable_weight = options.get("undesirable_weight", 1.0)
+  trainer.calculate_KL = trainer.loss_type not in ["apo_zero_unpaired"]
+  trainer.precompute_ref_logps = True
+  trainer.aux_loss_enabled = False
+  trainer._metrics = defaultdict(lambda: defaultdict(list))
+  trainer._total_train_tokens = 0
+  trainer._tp_size = 1
+  trainer.model = types.SimpleNamespace(training=True)
+  trainer.accelerator = types.SimpleNamespace(device="cpu", gather_for_metrics=lambda x: x)
+  batch = _trl_batch(rows)   # the completions, then the mismatched pairs
+  b = len(rows)
+
+  def model(input_ids, attention_mask, labels, **_):
+    logits = hf(input_ids=input_ids, attention_mask=attention_mask).logits
+    logp = torch.log_softmax(logits[:, :-1].double(), -1)
+    picked = logp.gather(-1, labels[:, 1:].clamp(min=0)[..., None])[..., 0]
+    zeros = torch.zeros(picked.shape, dtype=picked.dtype)
+    return types.SimpleNamespace(log_probs=picked * (labels[:, 1:] != -100), entropy=zeros,
+                                 mean_logits=zeros)
+
+  inputs = {"input_ids": batch["input_ids"][:b], "attention_mask": batch["attention_mask"][:b],
+            "completion_mask": batch["completion_mask"][:b],
+            "KL_input_ids": batch["input_ids"][b:], "KL_attention_mask": batch["attention_mask"][b:],
+            "KL_completion_mask": batch["completion_mask"][b:],
+            "label": torch.tensor(rows.labels[:, 0] > 0), "ref_logps": torch.tensor(ref),
+            "ref_KL_logps": torch.tensor(ref_kl)}
+  return KTOTrainer._compute_loss(trainer, model, inputs, False)
+
+
+def test_kto_matches_trl_on_the_model(setup, tmp_path):
+  from jaxfuse.posttrain.data import read_kto_rows
+  from jaxfuse.posttrain.objectives import KTO
+
+  policy_dir, reference_dir, _ = setup
+  records = [{"prompt": r["prompt"], "completion": r[k], "label": k == "chosen"}
+             for r, k in zip(_pairs() * 2, ["chosen", "rejected", "rejected", "chosen"] * 2)]
+  path = tmp_path / "kto.jsonl"
+  path.write_text("".join(json.dumps(r) + "\n" for r in records))
+  rows = read_kto_rows(path, data.load_tokenizer(policy_dir), seq=SEQ, group=4)
+  batch = {k: jnp.asarray(v) for k, v in rows.rows(np.arange(len(rows))).items()}
+  model = interop.from_pretrained(policy_dir, dtype=jnp.float32)
+  reference = interop.from_pretrained(reference_dir, dtype=jnp.float32)
+  batch["ref_logps"] = jax.jit(lambda b: reference_log_probs(reference, b))(batch)
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  hf = transformers.AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32,
+                                                         attn_implementation="eager").double()
+  hf_params = dict(hf.named_parameters())
+  completion = (rows.targets != -100) & (rows.segment_ids == 1)
+  mismatched = (rows.targets != -100) & (rows.segment_ids == 2)
+  ref_tokens = np.asarray(batch["ref_logps"], np.float64)
+  ref, ref_kl = (ref_tokens * completion).sum(1), (ref_tokens * mismatched).sum(1)
+  worst = {}
+  for options in ({"beta": 0.3}, {"beta": 0.1, "desirable_weight": 1.33,
+                                  "undesirable_weight": 0.75},
+                  {"beta": 0.4, "loss_type": "apo_zero_unpaired", "desirable_weight": 0.8}):
+    objective = KTO(**options)
+    loss, grads = jax.jit(jax.value_and_grad(
+        lambda p, o=objective: o.loss(nnx.merge(graphdef, p, rest), batch)[0]))(params)
+    loss_t = _trl_kto(hf, rows, ref, ref_kl, options)
+    want = dict(zip(hf_params, torch.autograd.grad(loss_t, list(hf_params.values()))))
+    got = interop.hf_state_dict(nnx.merge(graphdef, grads, rest))
+    errors = {"loss": _rel(loss, loss_t.item())}
+    errors |= {k: _rel(got[k], g.numpy()) for k, g in want.items()}
+    worst[str(options)] = max(errors.values())
+    bad = {k: e for k, e in errors.items() if not e <= RTOL}
+    assert not bad, f"{options}: relative errors above {RTOL}: {bad}"
+  print("\nworst relative error per case: " + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()))

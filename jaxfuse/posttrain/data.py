@@ -43,7 +43,7 @@ from jaxfuse.data import DataError, Encoder, Record, read_objects, resolve_files
 from jaxfuse.data.cache import data_fingerprint
 from jaxfuse.data.packing import IGNORE_INDEX
 
-__all__ = ["PreferenceRows", "read_preference_rows"]
+__all__ = ["PreferenceRows", "read_kto_rows", "read_preference_rows"]
 
 # Bump when the rows' layout changes.
 LAYOUT_VERSION = 1
@@ -52,8 +52,9 @@ LAYOUT_VERSION = 1
 @dataclasses.dataclass(frozen=True)
 class PreferenceRows:
   """``[pairs, seq]`` int32 ``tokens``, ``targets``, ``positions`` and ``segment_ids`` (1: the
-  chosen sequence, 2: the rejected one), the record each row came from, how many pairs were
-  cut to fit, and a fingerprint of the files, tokenizer and ``seq``."""
+  chosen sequence, 2: the rejected one; for KTO the completion and its mismatched pair, with
+  the ``labels``), the record each row came from, how many pairs were cut to fit, and a
+  fingerprint of the files, tokenizer and ``seq``."""
   tokens: np.ndarray
   targets: np.ndarray
   positions: np.ndarray
@@ -61,6 +62,7 @@ class PreferenceRows:
   sources: tuple[str, ...]
   truncated: int
   fingerprint: str
+  labels: np.ndarray | None = None
 
   def __len__(self) -> int:
     return self.tokens.shape[0]
@@ -68,8 +70,11 @@ class PreferenceRows:
   def rows(self, indices) -> dict[str, np.ndarray]:
     """The rows ``indices`` as a batch of the model's arguments."""
     indices = np.asarray(indices)
-    return {"tokens": self.tokens[indices], "targets": self.targets[indices],
+    rows = {"tokens": self.tokens[indices], "targets": self.targets[indices],
             "positions": self.positions[indices], "segment_ids": self.segment_ids[indices]}
+    if self.labels is not None:
+      rows["labels"] = self.labels[indices]
+    return rows
 
 
 def _text(obj: dict, name: str, where: str) -> str | list[dict]:
@@ -110,6 +115,23 @@ def _place(row: dict, ids: np.ndarray, mask: np.ndarray, start: int, segment: in
   row["segment_ids"][start:start + n] = segment
 
 
+def _pair_row(pair, seq: int, where: str, names: tuple[str, str]) -> tuple[dict, bool]:
+  """Two ``(ids, loss_mask)`` sequences as one row (segments 1 and 2), each cut to ``seq // 2``
+  tokens when both do not fit; whether they were cut."""
+  cut = sum(len(ids) for ids, _ in pair) > seq
+  if cut:
+    pair = [(ids[:seq // 2], mask[:seq // 2]) for ids, mask in pair]
+  for (ids, mask), name in zip(pair, names):
+    if not mask[1:].any():
+      raise DataError(f"{where}: the prompt leaves no token of {name!r} within --seq // 2 = "
+                      f"{seq // 2} tokens; raise --seq or shorten the prompt")
+  row = {"tokens": np.zeros(seq, np.int32), "targets": np.full(seq, IGNORE_INDEX, np.int32),
+         "positions": np.zeros(seq, np.int32), "segment_ids": np.zeros(seq, np.int32)}
+  _place(row, *pair[0], 0, 1)
+  _place(row, *pair[1], len(pair[0][0]), 2)
+  return row, cut
+
+
 def read_preference_rows(paths, tokenizer: Any, *, seq: int, vocab_size: int | None = None
                          ) -> PreferenceRows:
   """The preference records of ``paths`` (files, directories, globs of ``.jsonl`` and
@@ -131,25 +153,70 @@ def read_preference_rows(paths, tokenizer: Any, *, seq: int, vocab_size: int | N
     prompt, chosen, rejected = (_text(obj, k, where) for k in ("prompt", "chosen", "rejected"))
     pair = [_sequence(encoder, where, prompt, chosen, "chosen"),
             _sequence(encoder, where, prompt, rejected, "rejected")]
-    if sum(len(ids) for ids, _ in pair) > seq:
-      truncated += 1
-      pair = [(ids[:seq // 2], mask[:seq // 2]) for ids, mask in pair]
-    for (ids, mask), name in zip(pair, ("chosen", "rejected")):
-      if not mask[1:].any():
-        raise DataError(f"{where}: the prompt leaves no token of {name!r} within --seq // 2 = "
-                        f"{seq // 2} tokens; raise --seq or shorten the prompt")
-    row = {"tokens": np.zeros(seq, np.int32), "targets": np.full(seq, IGNORE_INDEX, np.int32),
-           "positions": np.zeros(seq, np.int32), "segment_ids": np.zeros(seq, np.int32)}
-    _place(row, *pair[0], 0, 1)
-    _place(row, *pair[1], len(pair[0][0]), 2)
+    row, cut = _pair_row(pair, seq, where, ("chosen", "rejected"))
+    truncated += cut
     rows.append(row)
     sources.append(where)
-  key = {"layout": LAYOUT_VERSION, "seq": seq, "data": data_fingerprint(
-      files, tokenizer, text_field="prompt/chosen/rejected", loss_on="completion")}
+  return _stacked(rows, sources, truncated, files, tokenizer, seq, "prompt/chosen/rejected")
+
+
+def _stacked(rows, sources, truncated, files, tokenizer, seq, kind, **extra):
+  key = {"layout": LAYOUT_VERSION, "seq": seq, **extra, "data": data_fingerprint(
+      files, tokenizer, text_field=kind, loss_on="completion")}
   fingerprint = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
   stacked = {k: np.stack([r[k] for r in rows]) for k in rows[0]}
   return PreferenceRows(**stacked, sources=tuple(sources), truncated=truncated,
                         fingerprint=fingerprint)
+
+
+def read_kto_rows(paths, tokenizer: Any, *, seq: int, group: int,
+                  vocab_size: int | None = None) -> PreferenceRows:
+  """KTO's unpaired records (``prompt``, ``completion``, ``label``: a boolean, True for a
+  desirable completion) as rows: prompt + completion as segment 1, and the mismatched pair
+  TRL 1.16's ``KTOTrainer`` estimates its KL term from as segment 2: the prompt with the
+  completion of the row before it in its group of ``group`` consecutive records (the first
+  with the group's last; TRL's groups are its per-device batches). ``labels`` holds the label
+  at every position of the row.
+
+  Raises:
+    DataError: naming the file and line: a record without ``prompt``, ``completion`` or
+      ``label``, a label that is not a boolean, an empty completion, a prompt that leaves no
+      room for its completion.
+  """
+  if seq < 4:
+    raise ValueError(f"read_kto_rows: seq must be >= 4, got {seq}")
+  files = resolve_files(paths)
+  encoder = Encoder(tokenizer, loss_on="completion", vocab_size=vocab_size)
+  records = []
+  for where, obj in read_objects(files):
+    if not isinstance(obj, dict):
+      raise DataError(f"{where}: expected a JSON object, got a {type(obj).__name__}")
+    missing = [k for k in ("prompt", "completion", "label") if obj.get(k) is None]
+    if missing:
+      present = sorted(k for k, v in obj.items() if v is not None)
+      raise DataError(f"{where}: a KTO record needs 'prompt', 'completion' and 'label'; it has "
+                      f"no {missing[0]!r} (it has {present})")
+    if not isinstance(obj["label"], bool):
+      raise DataError(f"{where}: 'label' must be a boolean (true: a desirable completion), got "
+                      f"{obj['label']!r}")
+    completion = _text(obj, "completion", where)
+    if not completion:
+      raise DataError(f"{where}: 'completion' is empty")
+    records.append((where, _text(obj, "prompt", where), completion, obj["label"]))
+  rows, sources, truncated = [], [], 0
+  for first in range(0, len(records), group):
+    chunk = records[first:first + group]
+    for i, (where, prompt, completion, label) in enumerate(chunk):
+      other = chunk[i - 1][2]   # the row before's completion (the first: the group's last)
+      pair = [_sequence(encoder, where, prompt, completion, "completion"),
+              _sequence(encoder, where, prompt, other, "completion")]
+      row, cut = _pair_row(pair, seq, where, ("completion", "mismatched completion"))
+      row["labels"] = np.full(seq, int(label), np.int32)
+      truncated += cut
+      rows.append(row)
+      sources.append(where)
+  return _stacked(rows, sources, truncated, files, tokenizer, seq, "prompt/completion/label",
+                  group=group)
 
 
 def pair_masks(targets, segment_ids):

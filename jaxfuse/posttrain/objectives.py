@@ -2,8 +2,8 @@
 (loss, metrics)``, which the training loop calls whatever the objective is.
 
 - :class:`SFT`: the decoder's mean next-token loss (its fused cross-entropy).
-- :class:`DPO`, :class:`CPO` (SimPO and AlphaPO among its loss types), :class:`ORPO`: preference
-  objectives over rows that hold a pair each (:mod:`jaxfuse.posttrain.data`): the policy's
+- :class:`DPO`, :class:`CPO` (SimPO and AlphaPO among its loss types), :class:`ORPO`,
+  :class:`KTO`: preference objectives over rows that hold a pair each (:mod:`jaxfuse.posttrain.data`): the policy's
   per-token log-probabilities from the fused head (:meth:`jaxfuse.models.Decoder.token_log_probs`,
   no ``[tokens, V]`` logits), split into the chosen and the rejected completions, then the loss
   of :mod:`jaxfuse.posttrain.losses`. DPO reads the reference model's per-token
@@ -32,7 +32,7 @@ from jaxfuse.posttrain import losses
 from jaxfuse.data.packing import IGNORE_INDEX
 from jaxfuse.posttrain.data import pair_masks
 
-__all__ = ["CPO", "DPO", "OBJECTIVES", "ORPO", "SFT", "Objective", "make_objective",
+__all__ = ["CPO", "DPO", "KTO", "OBJECTIVES", "ORPO", "SFT", "Objective", "make_objective",
            "pair_log_probs", "reference_log_probs"]
 
 
@@ -170,7 +170,41 @@ def sequence_targets(tokens, segment_ids):
   return jnp.concatenate([nxt, jnp.full_like(tokens[:, :1], IGNORE_INDEX)], axis=1)
 
 
-OBJECTIVES = ("sft", "dpo", "cpo", "simpo", "orpo")
+@dataclasses.dataclass(frozen=True)
+class KTO(Objective):
+  """Kahneman-Tversky optimisation (:func:`jaxfuse.posttrain.kto_loss`) on unpaired completions
+  labelled desirable or not: rows of :func:`jaxfuse.posttrain.data.read_kto_rows`, the
+  completion as segment 1 and its mismatched pair (the KL estimate's) as segment 2; the
+  reference's per-token log-probabilities come in the batch as ``ref_logps``."""
+  beta: float = 0.1
+  loss_type: str = "kto"
+  desirable_weight: float = 1.0
+  undesirable_weight: float = 1.0
+  name = "kto"
+  needs_reference = True
+  progress_metrics = ("rewards/margins", "kl")
+
+  def check(self):
+    jax.eval_shape(lambda: losses.kto_loss(
+        jnp.zeros((2, 1)), jnp.ones((2, 1)), jnp.array([True, False]), jnp.zeros(2),
+        jnp.zeros(2), jnp.zeros(2), beta=self.beta, desirable_weight=self.desirable_weight,
+        undesirable_weight=self.undesirable_weight, loss_type=self.loss_type))
+
+  def loss(self, model, batch):
+    logps = model.token_log_probs(batch["tokens"], batch["targets"], batch.get("positions"),
+                                  batch.get("segment_ids"))
+    completion, mismatched = (m.astype(jnp.float32)
+                              for m in pair_masks(batch["targets"], batch["segment_ids"]))
+    ref = batch["ref_logps"]
+    return losses.kto_loss(
+        logps * completion, completion, batch["labels"][:, 0] > 0,
+        jax.lax.stop_gradient(jnp.sum(ref * completion, 1)),
+        jnp.sum(logps * mismatched, 1), jax.lax.stop_gradient(jnp.sum(ref * mismatched, 1)),
+        beta=self.beta, desirable_weight=self.desirable_weight,
+        undesirable_weight=self.undesirable_weight, loss_type=self.loss_type)
+
+
+OBJECTIVES = ("sft", "dpo", "cpo", "simpo", "orpo", "kto")
 
 
 def make_objective(name: str, **options: Any) -> Objective:
@@ -184,7 +218,7 @@ def make_objective(name: str, **options: Any) -> Objective:
   options = {k: v for k, v in options.items() if v is not None}
   if name == "simpo":
     name, options = "cpo", {"loss_type": "simpo", "cpo_alpha": 0.0, **options}
-  kinds = {"sft": SFT, "dpo": DPO, "cpo": CPO, "orpo": ORPO}
+  kinds = {"sft": SFT, "dpo": DPO, "cpo": CPO, "orpo": ORPO, "kto": KTO}
   if name not in kinds:
     raise ValueError(f"--objective must be one of {', '.join(OBJECTIVES)}, got {name!r}")
   kind = kinds[name]

@@ -39,7 +39,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 LOSS_ON = ("all", "completion")
 LONG_DOCUMENTS = ("auto", "split", "truncate")
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
-OBJECTIVES = ("sft", "dpo", "cpo", "simpo", "orpo")
+OBJECTIVES = ("sft", "dpo", "cpo", "simpo", "orpo", "kto")
 # The options each objective takes (the others must stay unset).
 OBJECTIVE_OPTIONS = {
     "sft": (),
@@ -47,6 +47,7 @@ OBJECTIVE_OPTIONS = {
     "cpo": ("beta", "loss_type", "label_smoothing", "simpo_gamma", "cpo_alpha"),
     "simpo": ("beta", "loss_type", "label_smoothing", "simpo_gamma", "cpo_alpha"),
     "orpo": ("beta",),
+    "kto": ("beta", "loss_type", "desirable_weight", "undesirable_weight"),
 }
 REMAT_POLICIES = tuple(sorted(remat.PRESETS) + sorted(remat.RECIPES))
 
@@ -97,13 +98,14 @@ class TrainConfig:
   # objective
   loss_on: str = option("all", "objective", "the tokens the loss is taken on: all, or only the "
                         "completions and assistant turns (SFT)", LOSS_ON)
-  objective: str = option("sft", "objective", "sft (next tokens), or a preference objective "
-                          "on prompt/chosen/rejected records: dpo, cpo, simpo, orpo", OBJECTIVES)
+  objective: str = option("sft", "objective", "sft (next tokens), a preference objective on "
+                          "prompt/chosen/rejected records (dpo, cpo, simpo, orpo), or kto on "
+                          "prompt/completion/label records", OBJECTIVES)
   beta: float | None = option(None, "objective", "preference objectives: the KL coefficient "
                               "beta (default 0.1)")
   loss_type: str | None = option(None, "objective", "dpo: sigmoid, ipo, hinge, robust, ... or "
                                  "several comma-separated (summed); cpo: sigmoid, hinge, ipo, "
-                                 "simpo, alphapo")
+                                 "simpo, alphapo; kto: kto, apo_zero_unpaired")
   label_smoothing: float | None = option(None, "objective", "dpo, cpo: the preference labels' "
                                          "noise (robust, exo_pair, aot losses)")
   simpo_gamma: float | None = option(None, "objective", "simpo: the target reward margin "
@@ -114,6 +116,10 @@ class TrainConfig:
                                   "completion's tail")
   reference_free: bool = option(False, "objective", "dpo: no reference model (its "
                                 "log-probabilities taken as 0)")
+  desirable_weight: float | None = option(None, "objective", "kto: the weight of the "
+                                          "desirable completions' losses (default 1)")
+  undesirable_weight: float | None = option(None, "objective", "kto: the weight of the "
+                                            "undesirable completions' losses (default 1)")
   # optimisation
   steps: int = option(600, "optimisation", "optimizer steps (the schedule spans them)")
   batch: int = option(16, "optimisation", "rows a micro-batch; a step takes --batch x "
@@ -509,13 +515,15 @@ def _check_objective(cfg: TrainConfig) -> None:
   mine = OBJECTIVE_OPTIONS[cfg.objective]
   for name in sorted({n for names in OBJECTIVE_OPTIONS.values() for n in names}):
     if getattr(cfg, name) != defaults[name] and name not in mine:
+      takes = ", ".join("--" + n.replace("_", "-") for n in mine) or "none"
       raise ValueError(f"--{name.replace('_', '-')} is not an option of --objective "
-                       f"{cfg.objective} (it takes {', '.join('--' + n.replace('_', '-') for n in mine) or 'none'})")
+                       f"{cfg.objective} (it takes {takes})")
   if cfg.objective == "sft":
     return
   if cfg.data is None:
-    raise ValueError(f"--objective {cfg.objective} needs --data: prompt/chosen/rejected "
-                     "records in JSON lines or Parquet")
+    fields = "prompt/completion/label" if cfg.objective == "kto" else "prompt/chosen/rejected"
+    raise ValueError(f"--objective {cfg.objective} needs --data: {fields} records in JSON "
+                     "lines or Parquet")
   given = [f for f in ("eval_data", "train_tokenizer") if getattr(cfg, f) is not None]
   given += ["eval_share"] if cfg.eval_share else []
   given += ["remat_budget"] if cfg.remat_budget else []

@@ -87,10 +87,15 @@ class Inputs:
     """The batches of ``cfg``: ``--data`` prepared for a model of ``vocab_size`` tokens, or
     the standard library's bytes."""
     if cfg.objective != "sft":
-      from jaxfuse.posttrain.data import read_preference_rows
+      from jaxfuse.posttrain.data import read_kto_rows, read_preference_rows
 
-      pairs = read_preference_rows(cfg.data, tokenizer, seq=cfg.seq, vocab_size=vocab_size)
-      report = (f"{len(pairs)} preference pairs, one a row of {cfg.seq} tokens"
+      if cfg.objective == "kto":
+        pairs = read_kto_rows(cfg.data, tokenizer, seq=cfg.seq, group=cfg.batch,
+                              vocab_size=vocab_size)
+      else:
+        pairs = read_preference_rows(cfg.data, tokenizer, seq=cfg.seq, vocab_size=vocab_size)
+      what = "completions with their mismatched pairs" if cfg.objective == "kto" else "pairs"
+      report = (f"{len(pairs)} preference {what}, one a row of {cfg.seq} tokens"
                 + (f" ({pairs.truncated} cut to {cfg.seq // 2} tokens a sequence)"
                    if pairs.truncated else ""))
       if jax.process_index() == 0:
@@ -139,7 +144,8 @@ class Inputs:
   def keys(self) -> tuple[str, ...]:
     """The arrays of this run's batches."""
     if self.pairs is not None:
-      return BATCH_KEYS + ((REFERENCE_KEY,) if self.reference is not None else ())
+      return (BATCH_KEYS + (("labels",) if self.pairs.labels is not None else ())
+              + ((REFERENCE_KEY,) if self.reference is not None else ()))
     return BATCH_KEYS if self.prepared is not None else BATCH_KEYS[:2]
 
   def pair_indices(self, step: int, lo: int = 0, hi: int | None = None) -> np.ndarray:
