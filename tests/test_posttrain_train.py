@@ -265,3 +265,25 @@ def test_kto_run_learns(files, tmp_path):
   # NaN where a step's batch has no completion of one label (TRL logs nothing then).
   margins = history["metrics"]["rewards/margins"]
   assert np.nanmean(margins[-8:]) > np.nanmean(margins[:5]) + 0.5, margins
+
+
+def test_distillation_run_learns_and_refuses_another_vocabulary(files, tmp_path):
+  """--objective distill --teacher on completion-only SFT records: the divergence from the
+  teacher falls; a teacher over another vocabulary is refused by name before the run writes
+  anything of its own."""
+  from jaxfuse.testing.checkpoints import arithmetic_completions, write_jsonl
+
+  checkpoint, _ = files
+  teacher = write_tiny_checkpoint(tmp_path / "teacher", seed=3, initializer_range=0.1)
+  records = write_jsonl(tmp_path / "sft.jsonl", arithmetic_completions(48))
+  extra = ["--objective", "distill", "--teacher", str(teacher), "--loss-on", "completion"]
+  history = jtrain.train(_args(checkpoint, records, tmp_path / "run", *extra),
+                         log=lambda *_: None)["history"]
+  assert np.mean(history["loss"][-5:]) < 0.5 * np.mean(history["loss"][:5]), history["loss"]
+  other = write_tiny_checkpoint(tmp_path / "other", tokenizer_size=300)
+  out = tmp_path / "refused"
+  with pytest.raises(ValueError, match=r"--teacher .*other: a teacher whose vocabulary "
+                                       r"differs from the student's: 300 words against 320"):
+    jtrain.train(_args(checkpoint, records, out, "--objective", "distill", "--teacher",
+                       str(other)), log=lambda *_: None)
+  assert not (out / "data").exists() and not (out / "train_log.json").exists()

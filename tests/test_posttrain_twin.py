@@ -383,3 +383,50 @@ def test_kto_matches_trl_on_the_model(setup, tmp_path):
     bad = {k: e for k, e in errors.items() if not e <= RTOL}
     assert not bad, f"{options}: relative errors above {RTOL}: {bad}"
   print("\nworst relative error per case: " + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()))
+
+
+def test_distillation_matches_trl_gkd_on_the_models(setup):
+  """``--objective distill``'s loss (the teacher's and the student's heads fused) against TRL's
+  ``GKDTrainer.generalized_jsd_loss`` on the Hugging Face models' full logits, on packed SFT
+  rows (several documents a row, a completion-only loss): the loss and every student
+  parameter's gradient, for forward KL, reverse KL and the JSD, with a temperature."""
+  from trl.experimental.gkd import GKDTrainer
+
+  from jaxfuse.posttrain.objectives import Distill
+  from tests.test_finetune_twin import packed_mask
+
+  policy_dir, teacher_dir, rows = setup
+  # Packed SFT-style rows: the preference rows' two sequences are two documents of a row.
+  batch = {k: jnp.asarray(v) for k, v in rows.rows(np.arange(len(rows))).items()}
+  model = interop.from_pretrained(policy_dir, dtype=jnp.float32)
+  teacher = interop.from_pretrained(teacher_dir, dtype=jnp.float32)
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  hf = transformers.AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32,
+                                                         attn_implementation="eager").double()
+  hf_teacher = transformers.AutoModelForCausalLM.from_pretrained(
+      teacher_dir, dtype=torch.float32, attn_implementation="eager").double()
+  hf_params = dict(hf.named_parameters())
+  tokens, targets, positions, segment_ids = (
+      torch.from_numpy(np.asarray(batch[k]).astype(np.int64))
+      for k in ("tokens", "targets", "positions", "segment_ids"))
+  mask = packed_mask(segment_ids).double()
+  with torch.no_grad():
+    teacher_logits = hf_teacher(input_ids=tokens, attention_mask=mask,
+                                position_ids=positions).logits
+  worst = {}
+  for beta, temperature in ((0.0, 1.0), (1.0, 1.0), (0.5, 1.0), (0.3, 2.0)):
+    objective = Distill.of(teacher, beta=beta, temperature=temperature)
+    loss, grads = jax.jit(jax.value_and_grad(
+        lambda p, c, o=objective: o.loss(nnx.merge(graphdef, p, rest), batch, c)[0]))(
+            params, objective.constants)
+    logits = hf(input_ids=tokens, attention_mask=mask, position_ids=positions).logits
+    loss_t = GKDTrainer.generalized_jsd_loss(logits, teacher_logits, labels=targets, beta=beta,
+                                             temperature=temperature)
+    want = dict(zip(hf_params, torch.autograd.grad(loss_t, list(hf_params.values()))))
+    got = interop.hf_state_dict(nnx.merge(graphdef, grads, rest))
+    errors = {"loss": _rel(loss, loss_t.item())}
+    errors |= {k: _rel(got[k], g.numpy()) for k, g in want.items()}
+    worst[f"beta={beta},T={temperature}"] = max(errors.values())
+    bad = {k: e for k, e in errors.items() if not e <= RTOL}
+    assert not bad, f"beta {beta}, temperature {temperature}: relative errors above {RTOL}: {bad}"
+  print("\nworst relative error per case: " + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()))

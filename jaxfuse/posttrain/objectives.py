@@ -10,6 +10,9 @@
   log-probabilities from the batch (``ref_logps``), computed once before training
   (:func:`reference_log_probs`).
 
+- :class:`Distill`: a teacher's LM head distilled into the model's on SFT rows, neither
+  model's logits materialized; the teacher's variables ride along as :attr:`Distill.constants`.
+
 Every objective states how micro-batches of a step combine (``token_weighted``: SFT weighs every
 target token alike across them; the preference losses are means over pairs, so each
 micro-batch's loss weighs the same) and whether it needs a reference (``needs_reference``).
@@ -27,12 +30,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from jaxfuse.posttrain import losses
 from jaxfuse.data.packing import IGNORE_INDEX
 from jaxfuse.posttrain.data import pair_masks
 
-__all__ = ["CPO", "DPO", "KTO", "OBJECTIVES", "ORPO", "SFT", "Objective", "make_objective",
+__all__ = ["CPO", "DPO", "KTO", "Distill", "OBJECTIVES", "ORPO", "SFT", "Objective", "make_objective",
            "pair_log_probs", "reference_log_probs"]
 
 
@@ -204,7 +208,61 @@ class KTO(Objective):
         undesirable_weight=self.undesirable_weight, loss_type=self.loss_type)
 
 
-OBJECTIVES = ("sft", "dpo", "cpo", "simpo", "orpo", "kto")
+@dataclasses.dataclass(eq=False)
+class Distill(Objective):
+  """Knowledge distillation from a teacher's LM head into the model's: TRL's generalized JSD
+  (``beta`` 0: forward KL, 1: reverse KL; GKD's off-policy, supervised form) on the batch's
+  target positions, fused so that neither model's ``[tokens, V]`` logits exist
+  (:func:`jaxfuse.ops.linear_distillation_loss`). The teacher (a
+  :class:`~jaxfuse.models.Decoder` over the same vocabulary) is frozen; its variables are the
+  objective's :attr:`constants`, which the training step takes as an argument."""
+  teacher: Any = None   # the teacher's graph definition
+  constants: Any = None   # the teacher's variables
+  beta: float = 0.5
+  temperature: float = 1.0
+  name = "distill"
+
+  @classmethod
+  def of(cls, teacher, **options) -> Distill:
+    """The objective distilling ``teacher`` (a :class:`~jaxfuse.models.Decoder`)."""
+    graphdef, state = nnx.split(teacher)
+    return cls(teacher=graphdef, constants=state, **options)
+
+  def check(self):
+    if not 0 <= self.beta <= 1:
+      raise ValueError(f"--beta of --objective distill must be in [0, 1] (0: forward KL, 1: "
+                       f"reverse KL), got {self.beta}")
+    if not self.temperature > 0:
+      raise ValueError(f"--distill-temperature must be > 0, got {self.temperature}")
+
+  def check_models(self, model, where: str = "--teacher") -> None:
+    """Refuses a teacher whose vocabulary differs from the student's ``model``."""
+    teacher = nnx.merge(self.teacher, self.constants)
+    if teacher.cfg.vocab_size != model.cfg.vocab_size:
+      raise ValueError(f"{where}: a teacher whose vocabulary differs from the student's: "
+                       f"{teacher.cfg.vocab_size} words against {model.cfg.vocab_size}")
+
+  def loss(self, model, batch, constants=None):
+    from jaxfuse.blocks import lm_head
+    from jaxfuse.ops import linear_distillation_loss, linear_distillation_loss_reference
+
+    teacher = nnx.merge(self.teacher, self.constants if constants is None else constants)
+    args = (batch["tokens"], batch.get("positions"), batch.get("segment_ids"))
+    h_t = jax.lax.stop_gradient(teacher.hidden(*args))
+    h_s = model.hidden(*args)
+    student = lm_head.cast(h_s, model.lm_head.weight, model.lm_head._bias, model.lm_head.dtype)
+    taught = lm_head.cast(h_t, teacher.lm_head.weight, teacher.lm_head._bias,
+                          teacher.lm_head.dtype)
+    fn = linear_distillation_loss if model.fused else linear_distillation_loss_reference
+    loss = fn(student[0], student[1], taught[0], jax.lax.stop_gradient(taught[1]),
+              labels=batch["targets"], beta=self.beta, temperature=self.temperature,
+              student_bias=student[2], teacher_bias=taught[2],
+              student_logit_softcap=model.cfg.final_logit_softcap,
+              teacher_logit_softcap=teacher.cfg.final_logit_softcap)
+    return loss, {}
+
+
+OBJECTIVES = ("sft", "dpo", "cpo", "simpo", "orpo", "kto", "distill")
 
 
 def make_objective(name: str, **options: Any) -> Objective:
@@ -218,7 +276,7 @@ def make_objective(name: str, **options: Any) -> Objective:
   options = {k: v for k, v in options.items() if v is not None}
   if name == "simpo":
     name, options = "cpo", {"loss_type": "simpo", "cpo_alpha": 0.0, **options}
-  kinds = {"sft": SFT, "dpo": DPO, "cpo": CPO, "orpo": ORPO, "kto": KTO}
+  kinds = {"sft": SFT, "dpo": DPO, "cpo": CPO, "orpo": ORPO, "kto": KTO, "distill": Distill}
   if name not in kinds:
     raise ValueError(f"--objective must be one of {', '.join(OBJECTIVES)}, got {name!r}")
   kind = kinds[name]

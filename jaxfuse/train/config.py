@@ -39,7 +39,10 @@ DTYPES = ("float32", "bfloat16", "float16")
 LOSS_ON = ("all", "completion")
 LONG_DOCUMENTS = ("auto", "split", "truncate")
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
-OBJECTIVES = ("sft", "dpo", "cpo", "simpo", "orpo", "kto")
+OBJECTIVES = ("sft", "dpo", "cpo", "simpo", "orpo", "kto", "distill")
+# The objectives whose records are pairs (prompt/chosen/rejected; KTO's completion and its
+# mismatched pair), one a row.
+PAIRED = ("dpo", "cpo", "simpo", "orpo", "kto")
 # The options each objective takes (the others must stay unset).
 OBJECTIVE_OPTIONS = {
     "sft": (),
@@ -48,6 +51,7 @@ OBJECTIVE_OPTIONS = {
     "simpo": ("beta", "loss_type", "label_smoothing", "simpo_gamma", "cpo_alpha"),
     "orpo": ("beta",),
     "kto": ("beta", "loss_type", "desirable_weight", "undesirable_weight"),
+    "distill": ("beta", "distill_temperature", "teacher"),
 }
 REMAT_POLICIES = tuple(sorted(remat.PRESETS) + sorted(remat.RECIPES))
 
@@ -99,10 +103,12 @@ class TrainConfig:
   loss_on: str = option("all", "objective", "the tokens the loss is taken on: all, or only the "
                         "completions and assistant turns (SFT)", LOSS_ON)
   objective: str = option("sft", "objective", "sft (next tokens), a preference objective on "
-                          "prompt/chosen/rejected records (dpo, cpo, simpo, orpo), or kto on "
-                          "prompt/completion/label records", OBJECTIVES)
+                          "prompt/chosen/rejected records (dpo, cpo, simpo, orpo), kto on "
+                          "prompt/completion/label records, or distill (a --teacher's head into "
+                          "the model's, on SFT records)", OBJECTIVES)
   beta: float | None = option(None, "objective", "preference objectives: the KL coefficient "
-                              "beta (default 0.1)")
+                              "beta (default 0.1); distill: the JSD's beta, 0 forward KL, 1 "
+                              "reverse KL (default 0.5)")
   loss_type: str | None = option(None, "objective", "dpo: sigmoid, ipo, hinge, robust, ... or "
                                  "several comma-separated (summed); cpo: sigmoid, hinge, ipo, "
                                  "simpo, alphapo; kto: kto, apo_zero_unpaired")
@@ -116,6 +122,10 @@ class TrainConfig:
                                   "completion's tail")
   reference_free: bool = option(False, "objective", "dpo: no reference model (its "
                                 "log-probabilities taken as 0)")
+  teacher: str | None = option(None, "objective", "distill: the teacher, a Hugging Face "
+                               "checkpoint directory over the student's vocabulary")
+  distill_temperature: float | None = option(None, "objective", "distill: both heads' logits "
+                                             "divided by it (default 1)")
   desirable_weight: float | None = option(None, "objective", "kto: the weight of the "
                                           "desirable completions' losses (default 1)")
   undesirable_weight: float | None = option(None, "objective", "kto: the weight of the "
@@ -500,8 +510,8 @@ def objective_options(cfg: TrainConfig) -> dict[str, Any]:
   options = {}
   for name in OBJECTIVE_OPTIONS.get(cfg.objective, ()):
     value = getattr(cfg, name)
-    if value is not None and value is not False:
-      options[name] = value
+    if name != "teacher" and value is not None and value is not False:
+      options["temperature" if name == "distill_temperature" else name] = value
   return options
 
 
@@ -520,17 +530,22 @@ def _check_objective(cfg: TrainConfig) -> None:
                        f"{cfg.objective} (it takes {takes})")
   if cfg.objective == "sft":
     return
+  if cfg.objective == "distill" and cfg.teacher is None:
+    raise ValueError("--objective distill needs --teacher DIR (a Hugging Face checkpoint)")
+  if cfg.data is None and cfg.objective == "distill":
+    raise ValueError("--objective distill needs --data (the records it distils on)")
   if cfg.data is None:
     fields = "prompt/completion/label" if cfg.objective == "kto" else "prompt/chosen/rejected"
     raise ValueError(f"--objective {cfg.objective} needs --data: {fields} records in JSON "
                      "lines or Parquet")
-  given = [f for f in ("eval_data", "train_tokenizer") if getattr(cfg, f) is not None]
-  given += ["eval_share"] if cfg.eval_share else []
+  given = [] if cfg.objective not in PAIRED else [
+      f for f in ("eval_data", "train_tokenizer") if getattr(cfg, f) is not None]
+  given += ["eval_share"] if cfg.eval_share and cfg.objective in PAIRED else []
   given += ["remat_budget"] if cfg.remat_budget else []
   if given:
     raise ValueError(f"--{given[0].replace('_', '-')} is not available with --objective "
                      f"{cfg.objective} yet")
-  if cfg.beta is not None and not cfg.beta > 0:
+  if cfg.beta is not None and cfg.objective != "distill" and not cfg.beta > 0:
     raise ValueError(f"--beta must be > 0, got {cfg.beta}")
   from jaxfuse.posttrain.objectives import make_objective
 

@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 from jaxfuse import data
-from jaxfuse.train import placement
+from jaxfuse.train import config, placement
 from jaxfuse.train.config import TrainConfig
 from jaxfuse.train.corpus import batch_at, stdlib_corpus, unigram_entropy_bits
 
@@ -86,7 +86,7 @@ class Inputs:
   def load(cls, cfg: TrainConfig, tokenizer: Any, vocab_size: int, *, log=print) -> Inputs:
     """The batches of ``cfg``: ``--data`` prepared for a model of ``vocab_size`` tokens, or
     the standard library's bytes."""
-    if cfg.objective != "sft":
+    if cfg.objective in config.PAIRED:
       from jaxfuse.posttrain.data import read_kto_rows, read_preference_rows
 
       if cfg.objective == "kto":

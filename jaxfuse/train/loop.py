@@ -45,13 +45,14 @@ from flax import nnx
 from jaxfuse import remat
 from jaxfuse.metrics.peak import peak_flops
 from jaxfuse.models import IGNORE_INDEX, Decoder
-from jaxfuse.posttrain.objectives import SFT, Objective, make_objective, reference_log_probs
+from jaxfuse.posttrain.objectives import (SFT, Distill, Objective, make_objective,
+                                          reference_log_probs)
 from jaxfuse.train import checkpoint, config, distributed, export, placement
 from jaxfuse.train import inputs as inputs_lib
 from jaxfuse.train.config import TrainConfig
 from jaxfuse.train.corpus import LN2
 from jaxfuse.train.inputs import Inputs
-from jaxfuse.train.model import build, learning_rate, sample_text, trained
+from jaxfuse.train.model import build, build_teacher, learning_rate, sample_text, trained
 from jaxfuse.train.plot import plot_losses
 from jaxfuse.train.preemption import Preempted, StopSignals
 from jaxfuse.train.writers import MetricWriters
@@ -117,26 +118,32 @@ def make_steps(model: Decoder, optimizer: nnx.Optimizer,
   ``mesh``, the state is placed there by its logical axes (and kept so by ``train``). Call them
   under ``jax.set_mesh(mesh)``: the model reads the mesh as it traces."""
   objective = SFT() if objective is None else objective
+  # Arrays the objective reads besides the model (a teacher's variables): arguments of the
+  # jitted steps, placed on the mesh as the model is, never constants of their programs.
+  constants = getattr(objective, "constants", None)
   graphdef, state = nnx.split((model, optimizer))
 
-  def loss_fn(params, rest, batch):
+  def loss_fn(params, rest, batch, constants):
     # Variables of this trace (copies), which nnx.remat inside the model may update.
-    return objective.loss(nnx.merge(module_def, params, rest, copy=True), batch)
+    model = nnx.merge(module_def, params, rest, copy=True)
+    if constants is None:
+      return objective.loss(model, batch)
+    return objective.loss(model, batch, constants)
 
   module_def, _, _ = nnx.split(model, wrt, ...)
 
-  def objective_loss(params, rest, batch, grad):
+  def objective_loss(params, rest, batch, constants, grad):
     if grad_accum == 1:
       if grad:
-        return jax.value_and_grad(loss_fn, has_aux=True)(params, rest, batch)
-      return loss_fn(params, rest, batch), None
-    return _accumulated(lambda p, b: loss_fn(p, rest, b), params, batch, grad_accum,
-                        grad=grad, token_weighted=objective.token_weighted)
+        return jax.value_and_grad(loss_fn, has_aux=True)(params, rest, batch, constants)
+      return loss_fn(params, rest, batch, constants), None
+    return _accumulated(lambda p, b: loss_fn(p, rest, b, constants), params, batch,
+                        grad_accum, grad=grad, token_weighted=objective.token_weighted)
 
-  def train(state, batch):
+  def train(state, batch, constants=None):
     model, optimizer = nnx.merge(graphdef, state)
     _, params, rest = nnx.split(model, wrt, ...)
-    (loss, extra), grads = objective_loss(params, rest, batch, True)
+    (loss, extra), grads = objective_loss(params, rest, batch, constants, True)
     grad_norm = optax.tree.norm(grads)
     # The optimizer rejects a gradient that is not finite everywhere (optax.apply_if_finite:
     # the state stays as it was); a loss that is not finite rejects the step as well.
@@ -147,17 +154,36 @@ def make_steps(model: Decoder, optimizer: nnx.Optimizer,
     return nnx.state((model, optimizer)), {**extra, "loss": loss, "grad_norm": grad_norm,
                                            "loss_tokens": tokens, "applied": applied}
 
-  def evaluate(state, batch):
+  def evaluate(state, batch, constants=None):
     model, _ = nnx.merge(graphdef, state)
     _, params, rest = nnx.split(model, wrt, ...)
-    return objective_loss(params, rest, batch, False)[0][0]
+    return objective_loss(params, rest, batch, constants, False)[0][0]
 
   if mesh is None:
-    return graphdef, state, jax.jit(train, donate_argnums=0), jax.jit(evaluate)
-  state, shardings = placement.place_state(state, mesh)
-  one = placement.replicated(mesh)
-  return (graphdef, state, jax.jit(train, donate_argnums=0, out_shardings=(shardings, one)),
-          jax.jit(evaluate, out_shardings=one))
+    train_step, eval_step = jax.jit(train, donate_argnums=0), jax.jit(evaluate)
+  else:
+    state, shardings = placement.place_state(state, mesh)
+    if constants is not None:
+      constants, _ = placement.place_state(constants, mesh)
+    one = placement.replicated(mesh)
+    train_step = jax.jit(train, donate_argnums=0, out_shardings=(shardings, one))
+    eval_step = jax.jit(evaluate, out_shardings=one)
+  if constants is None:
+    return graphdef, state, train_step, eval_step
+  return graphdef, state, _Bound(train_step, constants), _Bound(eval_step, constants)
+
+
+class _Bound:
+  """A jitted ``fn(state, batch, constants)`` called as ``fn(state, batch)`` (and lowered so)."""
+
+  def __init__(self, fn, constants):
+    self.fn, self.constants = fn, constants
+
+  def __call__(self, state, batch):
+    return self.fn(state, batch, self.constants)
+
+  def lower(self, state, batch):
+    return self.fn.lower(state, batch, self.constants)
 
 
 def reference_pass(cfg: TrainConfig, graphdef, state, inputs: Inputs, mesh, *, log
@@ -336,12 +362,16 @@ def train(cfg: TrainConfig, *, log=print) -> dict:
   checkpoint.refuse_other_run(manager, out / "checkpoints", resume=cfg.resume)
   tokenizer = inputs_lib.resolve_tokenizer(cfg, log=log)
   model, optimizer = build(cfg, tokenizer)
+  objective = make_objective(cfg.objective, **config.objective_options(cfg))
+  if isinstance(objective, Distill):   # checked before the run's directory is written to
+    objective = Distill.of(build_teacher(cfg), beta=objective.beta,
+                           temperature=objective.temperature)
+    objective.check_models(model, f"--teacher {cfg.teacher}")
   inputs = Inputs.load(cfg, tokenizer, model.cfg.vocab_size, log=log)
   plan = None
   if cfg.remat_budget:
     plan = _plan_remat(cfg, model, inputs)
     log(str(plan))
-  objective = make_objective(cfg.objective, **config.objective_options(cfg))
   graphdef, state, train_step, eval_step = make_steps(model, optimizer, mesh,
                                                       wrt=trained(cfg),
                                                       grad_accum=cfg.grad_accum,

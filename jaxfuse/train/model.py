@@ -52,6 +52,15 @@ def build(cfg: TrainConfig, tokenizer: Any = None) -> tuple[Decoder, nnx.Optimiz
   return model, nnx.Optimizer(model, optimizer(cfg), wrt=trained(cfg))
 
 
+def build_teacher(cfg: TrainConfig) -> Decoder:
+  """The frozen teacher of ``--objective distill``: ``--teacher``'s Hugging Face checkpoint in
+  the run's dtype, fused unless ``--baseline``."""
+  from jaxfuse import interop
+
+  return interop.from_pretrained(cfg.teacher, dtype=jnp.dtype(cfg.dtype), fused=not cfg.baseline,
+                                 scan_layers=cfg.scan_layers)
+
+
 def trained(cfg: TrainConfig):
   """What the optimizer updates: the LoRA adapters with ``--lora-rank``, else every
   parameter."""
