@@ -11,6 +11,10 @@ the batches the uninterrupted run would have.
 - Configuration: every option has a help line in a group of ``--help``; ``--config run.yaml``
   (or TOML, JSON) holds any of them, the command line overrides it, and each run writes the
   resolved configuration to ``<out>/config.yaml`` (:mod:`jaxfuse.train.config`).
+- Objectives: ``--objective sft`` (the default: next tokens), ``dpo``, ``cpo``, ``simpo``,
+  ``orpo`` (prompt/chosen/rejected records), ``kto`` (prompt/completion/label) and ``distill``
+  (``--teacher DIR``): objects of :mod:`jaxfuse.posttrain.objectives` the loop calls; DPO's and
+  KTO's reference log-probabilities are computed once before training and cached in the run.
 - Optimisation: optax AdamW with linear warm-up, cosine decay and global-norm clipping;
   ``--grad-accum N`` sums N micro-batches' gradients inside the jitted step; a step whose loss
   is not finite is not applied, and stops the run unless ``--skip-nonfinite`` allows it.
