@@ -287,3 +287,31 @@ def test_distillation_run_learns_and_refuses_another_vocabulary(files, tmp_path)
     jtrain.train(_args(checkpoint, records, out, "--objective", "distill", "--teacher",
                        str(other)), log=lambda *_: None)
   assert not (out / "data").exists() and not (out / "train_log.json").exists()
+
+
+def test_teacher_topk_of_the_whole_vocabulary_is_the_forward_kl(files, tmp_path):
+  """--teacher-topk stores the teacher's top k once (no teacher while training); with k the
+  whole vocabulary the run is --beta 0's (the forward KL) step by step, and a smaller k trains
+  and reads its store back on --resume."""
+  from jaxfuse.testing.checkpoints import arithmetic_completions, write_jsonl
+
+  checkpoint, _ = files
+  teacher = write_tiny_checkpoint(tmp_path / "teacher", seed=3, initializer_range=0.1)
+  records = write_jsonl(tmp_path / "sft.jsonl", arithmetic_completions(48))
+  extra = ["--objective", "distill", "--teacher", str(teacher), "--loss-on", "completion",
+           "--steps", "8", "--beta", "0"]
+  full = jtrain.train(_args(checkpoint, records, tmp_path / "full", *extra),
+                      log=lambda *_: None)["history"]["loss"]
+  stored = jtrain.train(_args(checkpoint, records, tmp_path / "stored", *extra,
+                              "--teacher-topk", "320"), log=lambda *_: None)["history"]["loss"]
+  np.testing.assert_allclose(stored, full, rtol=1e-4)
+  logs = []
+  out = tmp_path / "k8"
+  few = ["--objective", "distill", "--teacher", str(teacher), "--loss-on", "completion",
+         "--steps", "8", "--save-every", "4", "--teacher-topk", "8"]
+  jtrain.train(_args(checkpoint, records, out, *few, "--stop-at", "4"), log=logs.append)
+  assert any("top-8 log-probabilities of" in line for line in logs)
+  logs.clear()
+  history = jtrain.train(_args(checkpoint, records, out, *few, "--resume"), log=logs.append)
+  assert any("reading its top-8" in line for line in logs)
+  assert history["history"]["loss"][-1] < history["history"]["loss"][0]

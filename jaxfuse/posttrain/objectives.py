@@ -36,7 +36,7 @@ from jaxfuse.posttrain import losses
 from jaxfuse.data.packing import IGNORE_INDEX
 from jaxfuse.posttrain.data import pair_masks
 
-__all__ = ["CPO", "DPO", "KTO", "Distill", "OBJECTIVES", "ORPO", "SFT", "Objective", "make_objective",
+__all__ = ["CPO", "DPO", "KTO", "Distill", "DistillTopK", "OBJECTIVES", "ORPO", "SFT", "Objective", "make_objective",
            "pair_log_probs", "reference_log_probs"]
 
 
@@ -259,6 +259,29 @@ class Distill(Objective):
               student_bias=student[2], teacher_bias=taught[2],
               student_logit_softcap=model.cfg.final_logit_softcap,
               teacher_logit_softcap=teacher.cfg.final_logit_softcap)
+    return loss, {}
+
+
+@dataclasses.dataclass(frozen=True)
+class DistillTopK(Objective):
+  """Distillation from a teacher's stored top-k log-probabilities (the batch's
+  ``teacher_ids`` and ``teacher_logps``, ``[batch, seq, k]``): the forward KL from the teacher
+  renormalised over its k words (:func:`jaxfuse.ops.linear_topk_distillation_loss`), no teacher
+  held while training. With k the whole vocabulary it is :class:`Distill`'s ``beta=0``."""
+  temperature: float = 1.0
+  name = "distill"
+
+  def loss(self, model, batch):
+    from jaxfuse.blocks import lm_head
+    from jaxfuse.ops import linear_topk_distillation_loss
+
+    h = model.hidden(batch["tokens"], batch.get("positions"), batch.get("segment_ids"))
+    h, weight, bias = lm_head.cast(h, model.lm_head.weight, model.lm_head._bias,
+                                   model.lm_head.dtype)
+    loss = linear_topk_distillation_loss(
+        h, weight, batch["teacher_ids"], batch["teacher_logps"], labels=batch["targets"],
+        temperature=self.temperature, student_bias=bias,
+        student_logit_softcap=model.cfg.final_logit_softcap)
     return loss, {}
 
 

@@ -51,7 +51,7 @@ OBJECTIVE_OPTIONS = {
     "simpo": ("beta", "loss_type", "label_smoothing", "simpo_gamma", "cpo_alpha"),
     "orpo": ("beta",),
     "kto": ("beta", "loss_type", "desirable_weight", "undesirable_weight"),
-    "distill": ("beta", "distill_temperature", "teacher"),
+    "distill": ("beta", "distill_temperature", "teacher", "teacher_topk"),
 }
 REMAT_POLICIES = tuple(sorted(remat.PRESETS) + sorted(remat.RECIPES))
 
@@ -126,6 +126,9 @@ class TrainConfig:
                                "checkpoint directory over the student's vocabulary")
   distill_temperature: float | None = option(None, "objective", "distill: both heads' logits "
                                              "divided by it (default 1)")
+  teacher_topk: int | None = option(None, "objective", "distill: store the teacher's top k "
+                                    "log-probabilities once before training and hold no "
+                                    "teacher (forward KL over them, --beta 0)")
   desirable_weight: float | None = option(None, "objective", "kto: the weight of the "
                                           "desirable completions' losses (default 1)")
   undesirable_weight: float | None = option(None, "objective", "kto: the weight of the "
@@ -510,7 +513,7 @@ def objective_options(cfg: TrainConfig) -> dict[str, Any]:
   options = {}
   for name in OBJECTIVE_OPTIONS.get(cfg.objective, ()):
     value = getattr(cfg, name)
-    if name != "teacher" and value is not None and value is not False:
+    if name not in ("teacher", "teacher_topk") and value is not None and value is not False:
       options["temperature" if name == "distill_temperature" else name] = value
   return options
 
@@ -532,6 +535,12 @@ def _check_objective(cfg: TrainConfig) -> None:
     return
   if cfg.objective == "distill" and cfg.teacher is None:
     raise ValueError("--objective distill needs --teacher DIR (a Hugging Face checkpoint)")
+  if cfg.teacher_topk is not None:
+    if cfg.teacher_topk < 1:
+      raise ValueError(f"--teacher-topk must be >= 1, got {cfg.teacher_topk}")
+    if cfg.beta not in (None, 0.0):
+      raise ValueError(f"--teacher-topk distils by the forward KL over the teacher's top k "
+                       f"(--beta 0), got --beta {cfg.beta}")
   if cfg.data is None and cfg.objective == "distill":
     raise ValueError("--objective distill needs --data (the records it distils on)")
   if cfg.data is None:

@@ -33,6 +33,9 @@ BATCH_KEYS = ("tokens", "targets", "positions", "segment_ids")
 # A preference batch's reference log-probabilities (per token, float32), where the objective
 # needs them.
 REFERENCE_KEY = "ref_logps"
+# A distillation batch's teacher top-k word ids and log-probabilities ([batch, seq, k]), where
+# they were stored (--teacher-topk).
+TEACHER_KEYS = ("teacher_ids", "teacher_logps")
 
 
 def tokenizer_dir(out: str | Path) -> Path:
@@ -80,6 +83,7 @@ class Inputs:
   corpus: tuple[np.ndarray, np.ndarray] | None = None
   pairs: Any = None   # jaxfuse.posttrain.data.PreferenceRows
   reference: np.ndarray | None = None
+  teacher_topk: tuple[np.ndarray, np.ndarray] | None = None   # ids, log-probs [rows, seq, k]
   report: str = ""
 
   @classmethod
@@ -143,6 +147,8 @@ class Inputs:
   @property
   def keys(self) -> tuple[str, ...]:
     """The arrays of this run's batches."""
+    if self.teacher_topk is not None:
+      return BATCH_KEYS + TEACHER_KEYS
     if self.pairs is not None:
       return (BATCH_KEYS + (("labels",) if self.pairs.labels is not None else ())
               + ((REFERENCE_KEY,) if self.reference is not None else ()))
@@ -167,6 +173,19 @@ class Inputs:
       rows[REFERENCE_KEY] = self.reference[np.asarray(indices)]
     return rows
 
+  def packed_rows(self, indices) -> dict:
+    """The packed training rows ``indices``, with the teacher's stored top-k once set."""
+    indices = np.asarray(indices)
+    rows = self.prepared.train.packed.rows(indices)
+    if self.teacher_topk is not None:
+      rows["teacher_ids"], rows["teacher_logps"] = (a[indices] for a in self.teacher_topk)
+    return rows
+
+  def set_teacher_topk(self, ids: np.ndarray, logps: np.ndarray) -> None:
+    """The teacher's top-k word ids and log-probabilities at every position of every packed
+    training row ``[rows, seq, k]``: batches carry them from now on."""
+    self.teacher_topk = (ids, logps)
+
   def set_reference(self, reference: np.ndarray) -> None:
     """The reference model's per-token log-probabilities of every preference row
     ``[pairs, seq]``: batches carry them as ``ref_logps`` from now on."""
@@ -184,6 +203,9 @@ class Inputs:
     """The placed batch of ``step``."""
     if self.pairs is not None:
       return self._place(lambda lo, hi: self.pair_rows(self.pair_indices(step, lo, hi)), mesh)
+    if self.teacher_topk is not None:
+      return self._place(lambda lo, hi: self.packed_rows(self.prepared.train.indices(step, lo,
+                                                                                     hi)), mesh)
     if self.prepared is None:
       tokens, targets = batch_at(self.corpus[0], step, self.cfg.global_batch, self.cfg.seq,
                                  self.cfg.seed)

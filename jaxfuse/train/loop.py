@@ -45,8 +45,8 @@ from flax import nnx
 from jaxfuse import remat
 from jaxfuse.metrics.peak import peak_flops
 from jaxfuse.models import IGNORE_INDEX, Decoder
-from jaxfuse.posttrain.objectives import (SFT, Distill, Objective, make_objective,
-                                          reference_log_probs)
+from jaxfuse.posttrain.objectives import (SFT, Distill, DistillTopK, Objective,
+                                          make_objective, reference_log_probs)
 from jaxfuse.train import checkpoint, config, distributed, export, placement
 from jaxfuse.train import inputs as inputs_lib
 from jaxfuse.train.config import TrainConfig
@@ -226,12 +226,58 @@ def reference_pass(cfg: TrainConfig, graphdef, state, inputs: Inputs, mesh, *, l
   return out
 
 
-def _model_source(cfg: TrainConfig) -> dict:
+def teacher_topk_pass(cfg: TrainConfig, teacher: Decoder, inputs: Inputs, *, log
+                      ) -> tuple[np.ndarray, np.ndarray]:
+  """The teacher's top ``--teacher-topk`` word ids and log-probabilities ``[rows, seq, k]`` at
+  every position of every packed training row, computed once (a few rows at a time, at most
+  2**26 logits) and stored in ``<out>/teacher/<fingerprint>/`` (memory-mapped when read back),
+  so that training holds no teacher."""
+  k = cfg.teacher_topk
+  packed = inputs.prepared.train.packed
+  source = {"rows": packed.fingerprint, "k": k, "dtype": cfg.dtype,
+            "teacher": _model_source(cfg, cfg.teacher)}
+  key = hashlib.sha256(json.dumps(source, sort_keys=True).encode()).hexdigest()[:20]
+  where = Path(cfg.out) / "teacher" / key
+  if (where / "logps.npy").is_file():
+    log(f"teacher: reading its top-{k} log-probabilities from {where}")
+    return (np.load(where / "ids.npy", mmap_mode="r"), np.load(where / "logps.npy", mmap_mode="r"))
+  graphdef, state = nnx.split(teacher)
+
+  @jax.jit
+  def top(state, tokens, positions, segment_ids):
+    logits = nnx.merge(graphdef, state).logits(tokens, positions, segment_ids)
+    values, ids = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), k)
+    return ids.astype(jnp.int32), values
+
+  rows, seq = packed.num_rows, cfg.seq
+  size = max(1, min(rows, 2**26 // (seq * teacher.cfg.vocab_size)))
+  ids = np.zeros((rows, seq, k), np.int32)
+  logps = np.zeros((rows, seq, k), np.float32)
+  started = time.perf_counter()
+  for first in range(0, rows, size):
+    indices = np.arange(first, first + size) % rows
+    batch = packed.rows(indices)
+    got = jax.device_get(top(state, batch["tokens"], batch["positions"], batch["segment_ids"]))
+    take = min(size, rows - first)
+    ids[first:first + take], logps[first:first + take] = (g[:take] for g in got)
+  log(f"teacher: its top-{k} log-probabilities of {rows} rows in "
+      f"{time.perf_counter() - started:.1f} s, stored in {where}")
+  if jax.process_index() == 0:
+    tmp = where.with_name(where.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    np.save(tmp / "ids.npy", ids)
+    np.save(tmp / "logps.npy", logps)
+    os.replace(tmp, where)
+  return ids, logps
+
+
+def _model_source(cfg: TrainConfig, directory: str | None = None) -> dict:
   """What the initial model is built from: the checkpoint's files (path, size, time), or the
   configuration and seed of a model from scratch."""
-  if cfg.init_from:
-    files = sorted(p for p in Path(cfg.init_from).iterdir() if p.is_file())
-    return {"init_from": str(Path(cfg.init_from).resolve()),
+  directory = directory or cfg.init_from
+  if directory:
+    files = sorted(p for p in Path(directory).iterdir() if p.is_file())
+    return {"init_from": str(Path(directory).resolve()),
             "files": [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]}
   return {"scratch": [cfg.d_model, cfg.layers, cfg.heads, cfg.kv_heads, cfg.mlp, cfg.seed]}
 
@@ -363,11 +409,17 @@ def train(cfg: TrainConfig, *, log=print) -> dict:
   tokenizer = inputs_lib.resolve_tokenizer(cfg, log=log)
   model, optimizer = build(cfg, tokenizer)
   objective = make_objective(cfg.objective, **config.objective_options(cfg))
+  teacher = None
   if isinstance(objective, Distill):   # checked before the run's directory is written to
-    objective = Distill.of(build_teacher(cfg), beta=objective.beta,
-                           temperature=objective.temperature)
+    teacher = build_teacher(cfg)
+    objective = Distill.of(teacher, beta=objective.beta, temperature=objective.temperature)
     objective.check_models(model, f"--teacher {cfg.teacher}")
+    if cfg.teacher_topk:   # the teacher's top-k stored once: no teacher while training
+      objective = DistillTopK(temperature=objective.temperature)
   inputs = Inputs.load(cfg, tokenizer, model.cfg.vocab_size, log=log)
+  if teacher is not None and cfg.teacher_topk:
+    inputs.set_teacher_topk(*teacher_topk_pass(cfg, teacher, inputs, log=log))
+  del teacher
   plan = None
   if cfg.remat_budget:
     plan = _plan_remat(cfg, model, inputs)

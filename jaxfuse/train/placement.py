@@ -61,7 +61,8 @@ def place_batch(arrays: tuple[np.ndarray, ...], mesh: jax.sharding.Mesh | None) 
 
 def place_batch_rows(rows: Callable[[int, int], tuple[np.ndarray, ...]], shape: tuple[int, int],
                      mesh: jax.sharding.Mesh | None) -> tuple:
-  """Global token arrays of ``shape`` ``[batch, seq]`` split over ``mesh`` as
+  """Global token arrays of ``shape`` ``[batch, seq]`` (or ``[batch, seq, ...]``: the trailing
+  axes stay whole) split over ``mesh`` as
   :func:`place_batch` splits them, where ``rows(lo, hi)`` returns rows ``[lo, hi)`` of each
   (the same rows for the same bounds in every process). A process asks only for the rows its
   devices hold: once a contiguous run of them (once for all rows without a ``mesh``)."""
@@ -88,5 +89,7 @@ def place_batch_rows(rows: Callable[[int, int], tuple[np.ndarray, ...]], shape: 
     return arrays[i][(slice(lo - start, hi - start), *index[1:])]
 
   count = len(spans[0][2])
-  return tuple(jax.make_array_from_callback(shape, sharding, lambda index, i=i: shard(index, i))
+  # An array may have more axes than [batch, seq] (a teacher's top-k): those stay whole.
+  return tuple(jax.make_array_from_callback(shape + spans[0][2][i].shape[2:], sharding,
+                                            lambda index, i=i: shard(index, i))
                for i in range(count))
