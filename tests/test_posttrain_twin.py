@@ -3,7 +3,8 @@
 run on the Hugging Face model (a stand-in wraps it to return the per-token log-probabilities
 TRL's fused LM head would: ``log_softmax(logits)`` at the labels, 0 where they are -100).
 
-jaxfuse's side is the trainer's: the pairs read by :func:`jaxfuse.posttrain.data.read_preference_rows`
+jaxfuse's side is the trainer's: the pairs read by
+:func:`jaxfuse.posttrain.data.read_preference_rows`
 (chosen and rejected packed into one row with segment ids), the policy's per-token
 log-probabilities from the fused head (:func:`jaxfuse.posttrain.objectives.pair_log_probs`),
 the reference's from :func:`~jaxfuse.posttrain.objectives.reference_log_probs` of a second
@@ -79,7 +80,10 @@ def _trl_batch(rows):
       sequences.append(ids)
       completions.append(completion)
   length = max(len(s) for s in sequences)
-  pad = lambda xs: torch.tensor(np.stack([np.pad(x, (0, length - len(x))) for x in xs]))  # noqa: E731
+
+  def pad(xs):
+    return torch.tensor(np.stack([np.pad(x, (0, length - len(x))) for x in xs]))
+
   attention = pad([np.ones(len(s), np.int64) for s in sequences])
   return {"input_ids": pad(sequences).long(), "attention_mask": attention.long(),
           "completion_mask": pad(completions).long()}
@@ -338,7 +342,8 @@ def _trl_kto(hf, rows, ref, ref_kl, options):
 
   inputs = {"input_ids": batch["input_ids"][:b], "attention_mask": batch["attention_mask"][:b],
             "completion_mask": batch["completion_mask"][:b],
-            "KL_input_ids": batch["input_ids"][b:], "KL_attention_mask": batch["attention_mask"][b:],
+            "KL_input_ids": batch["input_ids"][b:],
+            "KL_attention_mask": batch["attention_mask"][b:],
             "KL_completion_mask": batch["completion_mask"][b:],
             "label": torch.tensor(rows.labels[:, 0] > 0), "ref_logps": torch.tensor(ref),
             "ref_KL_logps": torch.tensor(ref_kl)}

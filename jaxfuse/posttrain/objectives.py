@@ -3,9 +3,9 @@
 
 - :class:`SFT`: the decoder's mean next-token loss (its fused cross-entropy).
 - :class:`DPO`, :class:`CPO` (SimPO and AlphaPO among its loss types), :class:`ORPO`,
-  :class:`KTO`: preference objectives over rows that hold a pair each (:mod:`jaxfuse.posttrain.data`): the policy's
-  per-token log-probabilities from the fused head (:meth:`jaxfuse.models.Decoder.token_log_probs`,
-  no ``[tokens, V]`` logits), split into the chosen and the rejected completions, then the loss
+  :class:`KTO`: preference objectives over rows that hold a pair each
+  (:mod:`jaxfuse.posttrain.data`): the policy's per-token log-probabilities from the fused head
+  (:meth:`jaxfuse.models.Decoder.token_log_probs`, no ``[tokens, V]`` logits), split into the chosen and the rejected completions, then the loss
   of :mod:`jaxfuse.posttrain.losses`. DPO reads the reference model's per-token
   log-probabilities from the batch (``ref_logps``), computed once before training
   (:func:`reference_log_probs`).
@@ -36,8 +36,8 @@ from jaxfuse.posttrain import losses
 from jaxfuse.data.packing import IGNORE_INDEX
 from jaxfuse.posttrain.data import pair_masks
 
-__all__ = ["CPO", "DPO", "KTO", "Distill", "DistillTopK", "OBJECTIVES", "ORPO", "SFT", "Objective", "make_objective",
-           "pair_log_probs", "reference_log_probs"]
+__all__ = ["CPO", "DPO", "KTO", "OBJECTIVES", "ORPO", "SFT", "Distill", "DistillTopK", "Objective",
+           "make_objective", "pair_log_probs", "reference_log_probs", "split_pairs"]
 
 
 class Objective:
