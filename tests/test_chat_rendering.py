@@ -220,3 +220,35 @@ def test_completion_only_sft_trains_with_the_llama2_template(tmp_path):
       "--out", str(tmp_path / "run")]), log=lambda *_: None)
   assert result["history"]["step"] == [1, 2]
   assert np.isfinite(result["history"]["loss"]).all()
+
+
+@pytest.mark.parametrize("name", [n for n in TEMPLATES if n != "chatml_generation"])
+def test_preference_rows_learn_exactly_the_answer_turn_of_each_template(tokenizers, name,
+                                                                        tmp_path):
+  """Chat preference records (TRL's format: a prompt of messages, chosen and rejected answers)
+  through the trainer's reader: each sequence is the template's rendering of the prompt and
+  that answer, and its targets are exactly the answer turn's tokens (spans by the template's
+  markers)."""
+  import json
+
+  from jaxfuse.posttrain.data import read_preference_rows
+
+  tokenizer, (_, _, turn) = tokenizers[name], TEMPLATES[name]
+  conversation = _conversations(name)[1]
+  prompt, chosen = conversation[:-1], conversation[-1]
+  rejected = {"role": "assistant", "content": "No idea, the lazy dog says."}
+  path = tmp_path / "pairs.jsonl"
+  path.write_text(json.dumps({"prompt": prompt, "chosen": [chosen], "rejected": [rejected]})
+                  + "\n")
+  rows = read_preference_rows(path, tokenizer, seq=512)
+  for side, answer in ((1, chosen), (2, rejected)):
+    where = rows.segment_ids[0] == side
+    ids, targets = rows.tokens[0][where].tolist(), rows.targets[0][where]
+    assert ids == tokenizer.apply_chat_template(prompt + [answer], tokenize=True,
+                                                return_dict=False)
+    text = tokenizer.apply_chat_template(prompt + [answer], tokenize=False)
+    _, answer_only = _expected(tokenizer, ids, text, turn, last_only=True)
+    # A target is the next token: position t learns token t + 1.
+    want = [i if m else -100 for i, m in zip(ids[1:], answer_only[1:])]
+    assert targets[:-1].tolist() == want and targets[-1] == -100
+    assert sum(answer_only) > 2
