@@ -51,6 +51,7 @@ _XM = _normal(8, (B, T, F))
 _WG, _WU, _WD = _normal(9, (F, HIDDEN)), _normal(10, (F, HIDDEN)), _normal(11, (HIDDEN, OUT))
 _BU = 0.1 * _normal(12, (HIDDEN,))
 _HEAD, _TOKENS = 0.1 * _normal(13, (OUT, F)), jnp.arange(B * T).reshape(B, T) % OUT
+_XT, _TEACHER = _normal(14, (B, T, HIDDEN)), 0.1 * _normal(15, (OUT, HIDDEN))
 
 _NORM_TAGS = {names.NORM_INPUT: ((B, T, F), BF16), names.NORM_RSTD: ((B, T, 1), F32),
               names.NORM_OUT: ((B, T, F), BF16)}
@@ -81,6 +82,10 @@ OPS = {
     "linear_log_probs": (
         lambda h, w: ops.linear_log_probs(h, w, _TOKENS, return_entropy=True), (_XM, _HEAD),
         {names.LOGP_LSE: ((B * T,), F32), names.LOGP_MEAN_LOGIT: ((B * T,), F32)}),
+    "linear_distillation_loss": (
+        lambda h, w: ops.linear_distillation_loss(h, w, _XT, _TEACHER, labels=_TOKENS,
+                                                  reduction="none"), (_XM, _HEAD),
+        {names.DISTILL_STUDENT_LSE: ((B * T,), F32), names.DISTILL_TEACHER_LSE: ((B * T,), F32)}),
 }
 
 

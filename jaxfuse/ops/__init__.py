@@ -5,8 +5,10 @@ and ``"cpu"`` for the ops with CPU kernels."""
 from jaxfuse.ops import activations, names
 from jaxfuse.ops.bias_activation import bias_act, bias_act_reference
 from jaxfuse.ops.cross_entropy import (linear_cross_entropy, linear_cross_entropy_reference,
-                                       linear_log_probs, linear_log_probs_reference,
-                                       linear_logits)
+                                       linear_distillation_loss,
+                                       linear_distillation_loss_reference, linear_log_probs,
+                                       linear_log_probs_reference, linear_logits,
+                                       linear_topk_distillation_loss, topk_distillation_loss)
 from jaxfuse.ops.dispatch import (IMPLEMENTATIONS, ImplementationUnavailableError, can_run,
                                   pallas_interpret)
 from jaxfuse.ops.elementwise import add_act, add_act_reference, add_act_unfused, relu
@@ -56,10 +58,13 @@ __all__ = [
     "layer_norm_reference",
     "linear_cross_entropy",
     "linear_cross_entropy_reference",
+    "linear_distillation_loss",
+    "linear_distillation_loss_reference",
     "linear_log_probs",
     "linear_log_probs_reference",
     "linear_logits",
     "linear_reference",
+    "linear_topk_distillation_loss",
     "lora_dense",
     "lora_dense_reference",
     "names",
@@ -73,4 +78,5 @@ __all__ = [
     "rotary_embedding",
     "softmax",
     "softmax_reference",
+    "topk_distillation_loss",
 ]

@@ -35,6 +35,8 @@ name             value                                                 tagged by
 ``moe.down``     the experts' outputs, before they are combined        :mod:`jaxfuse.blocks.moe`
 ``logp.lse``     float32 per-token logsumexp of the LM head's logits   :func:`~jaxfuse.ops.linear_log_probs`
 ``logp.mean_logit``  float32 per-token mean logit under the softmax    :func:`~jaxfuse.ops.linear_log_probs`
+``distill.student_lse``  float32 per-token logsumexp of a student's logits  the distillation losses
+``distill.teacher_lse``  float32 per-token logsumexp of a teacher's logits  the distillation losses
 ===============  ====================================================  ==========================
 
 The fused MoE layer computes the experts' whole MLP as one op
@@ -80,11 +82,13 @@ MOE_PRODUCTS = {"gate": MOE_GATE, "up": MOE_UP}
 MOE_DOWN = "moe.down"
 LOGP_LSE = "logp.lse"
 LOGP_MEAN_LOGIT = "logp.mean_logit"
+DISTILL_STUDENT_LSE = "distill.student_lse"
+DISTILL_TEACHER_LSE = "distill.teacher_lse"
 
 ALL = (BLOCK_INPUT, NORM_INPUT, NORM_MEAN, NORM_RSTD, NORM_OUT, ATTN_Q, ATTN_K, ATTN_V,
        ATTN_OUT, ATTN_LSE, ATTN_PROJ, MLP_GATE, MLP_UP, MLP_PRE, MLP_HIDDEN, MLP_DOWN, LORA_XA,
        MOE_ROUTER, MOE_ROUTING, MOE_ROUTED, MOE_GATE, MOE_UP, MOE_HIDDEN, MOE_DOWN, LOGP_LSE,
-       LOGP_MEAN_LOGIT)
+       LOGP_MEAN_LOGIT, DISTILL_STUDENT_LSE, DISTILL_TEACHER_LSE)
 
 
 def moe_products(keep, what: str = "keep") -> tuple[str, ...]:
