@@ -38,6 +38,7 @@ SUITES = {
     "remat": "benchmarks.suites.remat",
     "shard": "benchmarks.suites.shard",
     "moe": "benchmarks.suites.moe",
+    "posttrain": "benchmarks.suites.posttrain",
 }
 # Options that say where tables go, left out of the command a table says it was written by.
 _OUTPUT_OPTIONS = ("--readme", "--headline")
