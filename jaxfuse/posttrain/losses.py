@@ -233,17 +233,8 @@ def dpo_loss(token_logps: jax.Array, ref_logps: jax.Array, mask: jax.Array, *,
 
   loss = sum(jnp.mean(per_sequence(kind)) * weight
              for kind, weight in zip(loss_types, loss_weights))
-  chosen_rewards = beta * jax.lax.stop_gradient(chosen_logratios)
-  rejected_rewards = beta * jax.lax.stop_gradient(rejected_logratios)
-  metrics = {
-      "rewards/chosen": jnp.mean(chosen_rewards),
-      "rewards/rejected": jnp.mean(rejected_rewards),
-      "rewards/accuracies": jnp.mean((chosen_rewards > rejected_rewards).astype(jnp.float32)),
-      "rewards/margins": jnp.mean(chosen_rewards - rejected_rewards),
-      "logps/chosen": jnp.mean(jax.lax.stop_gradient(chosen_logps)),
-      "logps/rejected": jnp.mean(jax.lax.stop_gradient(rejected_logps)),
-  }
-  return loss, metrics
+  return loss, _pair_metrics(beta * chosen_logratios, beta * rejected_logratios, chosen_logps,
+                             rejected_logps)
 
 
 def _mean_logps(token_logps, mask):
@@ -260,6 +251,8 @@ def _chosen_nll(token_logps, mask):
 
 
 def _pair_metrics(chosen_rewards, rejected_rewards, chosen_logps, rejected_logps):
+  """TRL's metrics of a batch of pairs: the mean rewards, their margin and accuracy, and the
+  mean log-probabilities (no gradient)."""
   chosen_rewards = jax.lax.stop_gradient(chosen_rewards)
   rejected_rewards = jax.lax.stop_gradient(rejected_rewards)
   return {
