@@ -97,9 +97,12 @@ def test_residual_bytes(records, problem):
   # The full-logits rows keep [N, V] floats (at least), the fused ones a few floats a token.
   assert rows["jax-unfused"].residual_bytes >= n * v * 4
   assert rows["torch-eager"].residual_bytes >= n * v * 4
-  for name in (LOG_PROBS_ROW if problem == "dpo" else _distill_row(), "trl-chunked"):
+  fused = LOG_PROBS_ROW if problem == "dpo" else _distill_row()
+  for name in (fused, "trl-chunked"):
     if rows[name].residual_bytes is not None:
-      assert rows[name].residual_bytes <= 16 * n, name
+      # jaxfuse's distillation computes the gradients in the forward: it keeps dh and dW.
+      extra = (n * d + v * d) * 4 if problem == "distill" and name == fused else 0
+      assert extra <= rows[name].residual_bytes <= extra + 16 * n, name
   # Liger computes the gradients in the forward and keeps them: dh and dW.
   assert rows["liger-kernel"].residual_bytes == (n * d + v * d) * 4
   assert "residual / torch-eager = " in rows["liger-kernel"].note

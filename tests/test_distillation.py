@@ -55,13 +55,18 @@ def _trl_jsd():
 # TRL's generalized JSD ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("reduction", REDUCTIONS)
+# grad_in_forward needs a scalar loss.
+_MODES = [(r, g) for r in REDUCTIONS for g in (False, True) if not (g and r == "none")]
+
+
+@pytest.mark.parametrize("reduction,grad_in_forward", _MODES)
 @pytest.mark.parametrize("temperature", [1.0, 2.0])
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0, 0.3])
-def test_matches_trl_generalized_jsd_loss(beta, temperature, reduction):
+def test_matches_trl_generalized_jsd_loss(beta, temperature, reduction, grad_in_forward):
   """``GKDTrainer.generalized_jsd_loss`` of the installed TRL, in float64 on the full logits of
   both heads (the teacher's without gradient), with the labels TRL takes: the loss and the
-  gradients of the student's h, weight and bias."""
+  gradients of the student's h, weight and bias, with the gradients computed in the backward
+  and in the forward."""
   n, v = 37, 300
   hs, ws, bs, ht, wt, bt, y = _inputs(n, 24, 40, v)
   weights = np.random.default_rng(1).standard_normal(n)   # a cotangent for "none"
@@ -69,7 +74,7 @@ def test_matches_trl_generalized_jsd_loss(beta, temperature, reduction):
   def ours(hs, ws, bs):
     out = linear_distillation_loss(hs, ws, ht, wt, labels=y, beta=beta, temperature=temperature,
                                    student_bias=bs, teacher_bias=bt, reduction=reduction,
-                                   chunk_size=16)
+                                   chunk_size=16, grad_in_forward=grad_in_forward)
     return (jnp.sum(out * weights) if reduction == "none" else out), out
 
   (_, out), grads = jax.jit(jax.value_and_grad(ours, argnums=(0, 1, 2), has_aux=True))(
@@ -94,8 +99,9 @@ def test_matches_trl_generalized_jsd_loss(beta, temperature, reduction):
     _assert_close(got, want.grad.numpy())
 
 
+@pytest.mark.parametrize("grad_in_forward", [False, True])
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
-def test_matches_liger_fused_linear_jsd(beta):
+def test_matches_liger_fused_linear_jsd(beta, grad_in_forward):
   """Liger-Kernel's ``LigerFusedLinearJSDLoss`` (torch, chunked, gradients in the forward),
   whose ``beta`` is TRL's (0: forward KL, 1: reverse KL): with no hard loss it is the
   ``"batchmean"`` JSD."""
@@ -105,7 +111,8 @@ def test_matches_liger_fused_linear_jsd(beta):
   loss, grads = jax.value_and_grad(
       lambda hs, ws, bs: linear_distillation_loss(
           hs, ws, ht, wt, labels=y, beta=beta, temperature=2.0, student_bias=bs,
-          teacher_bias=bt, chunk_size=16), argnums=(0, 1, 2))(hs, ws, bs)
+          teacher_bias=bt, chunk_size=16, grad_in_forward=grad_in_forward),
+      argnums=(0, 1, 2))(hs, ws, bs)
 
   th, tw, tb = _torch64(hs, ws, bs, grad=True)
   tht, twt, tbt = _torch64(ht, wt, bt)
@@ -198,17 +205,18 @@ def _compiled_step(f, *args):
       *args).compile().as_text()
 
 
-@pytest.mark.parametrize("op", ["linear_distillation_loss", "linear_topk_distillation_loss"])
+@pytest.mark.parametrize("op", ["linear_distillation_loss", "grad_in_forward",
+                                "linear_topk_distillation_loss"])
 def test_no_tokens_by_vocabulary_array_in_the_compiled_step(op):
   """The compiled forward and backward hold at most a chunk of logits: no array has both the
   tokens' and the vocabulary's extent (N = 384 tokens, V = 1536 words, chunks of 32, hidden
   sizes 40 and 56, k = 12)."""
   n, v = 384, 1536
   hs, ws, bs, ht, wt, bt, y = _inputs(n, 40, 56, v)
-  if op == "linear_distillation_loss":
+  if op != "linear_topk_distillation_loss":
     f = lambda hs, ws, bs: linear_distillation_loss(  # noqa: E731
         hs, ws, ht, wt, labels=y, beta=0.3, temperature=0.8, student_bias=bs, teacher_bias=bt,
-        student_logit_softcap=30.0, chunk_size=32)
+        student_logit_softcap=30.0, chunk_size=32, grad_in_forward=op == "grad_in_forward")
   else:
     ids = jnp.asarray(np.random.default_rng(5).integers(0, v, (n, 12)), jnp.int32)
     f = lambda hs, ws, bs: linear_topk_distillation_loss(  # noqa: E731
@@ -240,6 +248,46 @@ def test_the_backward_keeps_the_inputs_and_two_logsumexps_a_token():
   full = residual_bytes(lambda hs, ws, bs: linear_distillation_loss_reference(
       hs, ws, ht, wt, labels=y, student_bias=bs, teacher_bias=bt), hs, ws, bs)
   assert full >= 4 * n * v
+
+
+def test_grad_in_forward_keeps_the_gradients_of_what_is_differentiated():
+  """With the gradients computed in the forward, the backward keeps them (the student's h,
+  weight and bias sizes) and nothing else; a frozen head keeps no weight gradient and its
+  product is not in the compiled step."""
+  n, v = 64, 1000
+  hs, ws, bs, ht, wt, bt, y = _inputs(n, 32, 24, v)
+  loss = lambda hs, ws, bs: linear_distillation_loss(  # noqa: E731
+      hs, ws, ht, wt, labels=y, student_bias=bs, teacher_bias=bt, grad_in_forward=True)
+  kept = sorted((r.shape, str(r.dtype)) for r in residuals(loss, hs, ws, bs) if r.shape)
+  assert kept == sorted([((n, 32), "float32"), ((v, 32), "float32"), ((v,), "float32")])
+  frozen = [r.shape for r in residuals(lambda hs: loss(hs, ws, bs), hs) if r.shape]
+  assert frozen == [(n, 32)]
+  # dw's product, [V, Ds], is dropped with it (and is there when the head is differentiated).
+  product = re.compile(rf"= f32\[{v},32\]\S* dot\(")
+  for argnums, present in (((0,), False), ((0, 1), True)):
+    text = jax.jit(jax.grad(loss, argnums=argnums)).lower(hs, ws, bs).compile().as_text()
+    assert bool(product.search(text)) == present
+  with pytest.raises(ValueError, match="grad_in_forward=True needs a scalar loss"):
+    linear_distillation_loss(hs, ws, ht, wt, reduction="none", grad_in_forward=True)
+
+
+def test_grad_in_forward_second_order_and_transformations():
+  """Hessian-vector products, vmap and remat with the gradients in the forward equal the
+  recomputing backward's."""
+  hs, ws, bs, ht, wt, bt, y = _inputs(30, 12, 20, 90, seed=7)
+  tangent = jnp.asarray(np.random.default_rng(2).standard_normal(hs.shape), jnp.float32)
+
+  def hvp(gif):
+    grad = jax.grad(lambda x: linear_distillation_loss(
+        x, ws, ht, wt, labels=y, beta=0.4, student_bias=bs, teacher_bias=bt, chunk_size=8,
+        grad_in_forward=gif))
+    return jax.jvp(grad, (hs,), (tangent,))[1]
+
+  _assert_close(hvp(True), hvp(False))
+  batched = lambda gif: jax.jit(jax.vmap(jax.grad(jax.checkpoint(  # noqa: E731
+      lambda x, t: linear_distillation_loss(x, ws, t, wt, grad_in_forward=gif)))))(
+          hs.reshape(3, 10, 12), ht.reshape(3, 10, 20))
+  _assert_close(batched(True), batched(False))
 
 
 def test_a_policy_keeps_exactly_the_named_logsumexps():

@@ -33,8 +33,9 @@ per-sequence log-probabilities ``[2·pairs]``, precomputed (an input, like TRL's
 ``h_t [N, Dt]``, ``W_t [V, Dt]`` (constants: no gradient) and labels (-100 on the prompts): TRL
 GKD's generalized JSD with ``beta = 0.5``, temperature 1, ``batchmean`` over the labelled tokens.
 
-- ``jaxfuse-<impl>``: :func:`jaxfuse.ops.linear_distillation_loss`; skipped with a note where it
-  cannot be imported.
+- ``jaxfuse-<impl>``: :func:`jaxfuse.ops.linear_distillation_loss` with ``grad_in_forward=True``
+  (what the trainer's ``Distill`` objective runs, the Decoder's default); skipped with a note
+  where it cannot be imported.
 - ``jax-unfused``: both heads' full logits, log-softmaxes and the JSD's terms.
 - ``torch-eager`` and ``torch-compile``: ``GKDTrainer.generalized_jsd_loss``
   (``trl.experimental.gkd``) on both heads' full logits, the teacher's under ``no_grad``.
@@ -221,7 +222,8 @@ def jax_rows(shape: Shape, problem: str) -> tuple[dict[str, Callable], dict[str,
   else:
     rows[_jaxfuse_row("linear_distillation_loss")] = (
         lambda h_s, w_s, h_t, w_t, tokens: op(h_s, w_s, h_t, w_t, labels=tokens, beta=JSD_BETA,
-                                              temperature=TEMPERATURE, reduction="batchmean"))
+                                              temperature=TEMPERATURE, reduction="batchmean",
+                                              grad_in_forward=True))
   rows[BASELINE] = plain_jsd
   return rows, skipped
 

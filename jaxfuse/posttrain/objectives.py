@@ -213,7 +213,8 @@ class Distill(Objective):
   """Knowledge distillation from a teacher's LM head into the model's: TRL's generalized JSD
   (``beta`` 0: forward KL, 1: reverse KL; GKD's off-policy, supervised form) on the batch's
   target positions, fused so that neither model's ``[tokens, V]`` logits exist
-  (:func:`jaxfuse.ops.linear_distillation_loss`). The teacher (a
+  (:func:`jaxfuse.ops.linear_distillation_loss`, its gradients computed in the forward when the
+  model's ``grad_in_forward`` is set, as for SFT's loss). The teacher (a
   :class:`~jaxfuse.models.Decoder` over the same vocabulary) is frozen; its variables are the
   objective's :attr:`constants`, which the training step takes as an argument."""
   teacher: Any = None   # the teacher's graph definition
@@ -258,7 +259,8 @@ class Distill(Objective):
               labels=batch["targets"], beta=self.beta, temperature=self.temperature,
               student_bias=student[2], teacher_bias=taught[2],
               student_logit_softcap=model.cfg.final_logit_softcap,
-              teacher_logit_softcap=teacher.cfg.final_logit_softcap)
+              teacher_logit_softcap=teacher.cfg.final_logit_softcap,
+              **({"grad_in_forward": model.grad_in_forward} if model.fused else {}))
     return loss, {}
 
 

@@ -23,6 +23,11 @@ tiles for the mixture's terms).
   ``p_s * (q - E_{p_s}[q])`` with ``q = (1 - beta) * (log p_s - log m)`` (``log p_s - log
   p_t`` at ``beta = 1``; ``p_s - p_t`` at ``beta = 0``), into ``dh_student``, ``dw_student``
   and ``dstudent_bias``.
+- ``grad_in_forward=True`` (Liger-Kernel's way, for a scalar loss): each chunk's logits of both
+  heads are made once, in the forward, which also multiplies the student's logit gradient into
+  ``dh_student``, ``dw_student`` and ``dstudent_bias``; the backward keeps those (the student's
+  sizes) and scales them by the loss's cotangent. Four ``N·D·V`` products of a student and a
+  teacher head instead of six (the teacher's being recomputed in the backward otherwise).
 - the teacher gets no gradient: its arrays are treated as constants (``jax.lax.stop_gradient``
   semantics; TRL runs its teacher under ``torch.no_grad()``), and their cotangents are zeros.
 
@@ -51,6 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
+from jax.custom_derivatives import SymbolicZero
 
 from jaxfuse.ops import base, checks, names, partitioning
 from jaxfuse.ops.cross_entropy import op as ce
@@ -88,12 +94,13 @@ def _valid_of(mask, labels, ignore_index, shape):
   return jnp.ones(shape, bool)
 
 
-def _reduce(per_token, valid, reduction, terms):
+def _reduce(per_token, valid, reduction, terms, summed=False):
   """TRL's reductions of the per-token losses (0 where masked): ``terms`` elements a token
-  for ``"mean"`` (the vocabulary, or the k of a top-k loss)."""
+  for ``"mean"`` (the vocabulary, or the k of a top-k loss). ``summed``: ``per_token`` is
+  already their sum."""
   if reduction == "none":
     return per_token
-  total = jnp.sum(per_token)
+  total = per_token if summed else jnp.sum(per_token)
   count = jnp.sum(valid).astype(jnp.float32)
   if reduction == "sum":
     return total
@@ -281,6 +288,7 @@ def linear_distillation_loss(h_student: jax.Array, w_student: jax.Array, h_teach
                              student_logit_softcap: float | None = None,
                              teacher_logit_softcap: float | None = None,
                              reduction: str = "batchmean", chunk_size: int | None = None,
+                             grad_in_forward: bool = False,
                              implementation: str | None = None) -> jax.Array:
   """TRL's generalized JSD between a student's and a teacher's LM heads, one chunk of logits of
   each at a time.
@@ -317,6 +325,11 @@ def linear_distillation_loss(h_student: jax.Array, w_student: jax.Array, h_teach
       the logits' first axis instead: the same for ``[tokens, V]`` logits).
     chunk_size: tokens per chunk (default: about ``2**24 / V``); a chunk's ``[chunk, V]`` logits
       of both heads are the most that exists at a time.
+    grad_in_forward: compute the student's gradients in the forward pass, as Liger-Kernel does
+      (each chunk's logits of both heads made once instead of twice: the teacher's head is the
+      costly one; the backward only scales them), keeping ``dh_student``, ``dw_student`` and
+      ``dstudent_bias`` (their inputs' sizes) instead of the two logsumexps. Needs a scalar
+      loss (not ``reduction="none"``); the gradients are computed whether asked for or not.
     implementation: ``None`` or ``"xla"`` (no Pallas or Triton kernels yet).
 
   Returns:
@@ -345,6 +358,9 @@ def linear_distillation_loss(h_student: jax.Array, w_student: jax.Array, h_teach
   _check(h_student, w_student, h_teacher, w_teacher, mask, labels, beta, temperature,
          student_bias, teacher_bias, student_logit_softcap, teacher_logit_softcap, reduction,
          chunk_size)
+  if grad_in_forward and reduction == "none":
+    raise ValueError(f"{LINEAR_DISTILLATION_LOSS.name}: grad_in_forward=True needs a scalar loss "
+                     f"(reduction 'batchmean', 'sum' or 'mean'), got reduction='none'")
   lead = h_student.shape[:-1]
   n, vocab = math.prod(lead), w_student.shape[0]
   sel, kind = _select(mask, labels)
@@ -356,9 +372,16 @@ def linear_distillation_loss(h_student: jax.Array, w_student: jax.Array, h_teach
   ht = h_teacher.reshape(n, h_teacher.shape[-1])
   sel = None if sel is None else sel.reshape(n)
   with jax.named_scope(f"jaxfuse.linear_distillation_loss[{cfg.impl}]"):
-    per_token = _distill(hs, w_student, student_bias, ht, w_teacher, teacher_bias, sel, cfg)
     valid = _valid_of(mask, labels, ignore_index, lead).reshape(n)
-    loss = _reduce(per_token, valid, reduction, vocab)
+    if grad_in_forward:
+      # The divergences' sum, then the reduction's scalar factor (outside: its cotangent is
+      # what the backward scales the kept gradients by).
+      total = _distill_grad_in_forward(hs, w_student, student_bias, ht, w_teacher, teacher_bias,
+                                       sel, cfg)
+      loss = _reduce(total, valid, reduction, vocab, summed=True)
+    else:
+      per_token = _distill(hs, w_student, student_bias, ht, w_teacher, teacher_bias, sel, cfg)
+      loss = _reduce(per_token, valid, reduction, vocab)
   return loss.reshape(lead) if reduction == "none" else loss
 
 
@@ -500,6 +523,73 @@ def _distill_bwd(cfg, residuals, g):
 
 # Plain defvjp: optimize_remat=True breaks reverse over reverse.
 _distill.defvjp(_distill_fwd, _distill_bwd)
+
+
+# Gradients in the forward -----------------------------------------------------------------------
+
+
+def _forward_with_grads(hs, ws, bs, ht, wt, bt, sel, cfg):
+  """The divergences' sum over the tokens that count and its gradients ``(dh, dw, db)`` for the
+  student, each chunk's logits of both heads made once."""
+  ht, wt, bt = _opaque(ht, wt, bt)
+  n, d = hs.shape
+  cd = jnp.float32
+  w_mm = ws.astype(cd)
+
+  def step(carry, xs):
+    total, dw, db = carry
+    hc, tc, sc = xs
+    s = xla.chunk_logits(hc, ws, bs, cfg.student)
+    t = xla.chunk_logits(tc, wt, bt, cfg.teacher)
+    lse_s, lse_t = _lse(s), _lse(t)
+    div = jnp.sum(_divergence_terms(s - lse_s[:, None], t - lse_t[:, None], cfg.beta), axis=-1)
+    valid = _valid(sc, cfg)
+    ones = jnp.ones_like(div) if valid is None else valid.astype(cd)
+    div = div if valid is None else jnp.where(valid, div, 0.0)
+    dz = _student_logit_grad(s, t, lse_s, lse_t, ones, cfg)
+    dhc = jnp.dot(dz, w_mm, precision=xla.HIGHEST, preferred_element_type=cd)
+    dw = dw + lax.dot_general(dz, hc.astype(cd), (((0,), (0,)), ((), ())),
+                              precision=xla.HIGHEST, preferred_element_type=cd)
+    if bs is not None:
+      db = db + jnp.sum(dz, axis=0)
+    return (total + jnp.sum(div), dw, db), dhc.astype(hs.dtype)
+
+  xs = (xla.chunked(hs, cfg), xla.chunked(ht, cfg), _chunked_select(sel, cfg))
+  init = (jnp.zeros((), cd), jnp.zeros(ws.shape, cd),
+          jnp.zeros((cfg.vocab,) if bs is not None else (), cd))
+  init = partitioning.vary_like(init, hs, ws, bs, ht, wt, bt)
+  (total, dw, db), dh = lax.scan(step, init, xs)
+  dh = dh.reshape(-1, d)[:n]
+  return total, (dh, dw.astype(ws.dtype), None if bs is None else db.astype(bs.dtype))
+
+
+@partitioning.matching_vma
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _distill_grad_in_forward(hs, ws, bs, ht, wt, bt, sel, cfg):
+  return _forward_with_grads(hs, ws, bs, ht, wt, bt, sel, cfg)[0]
+
+
+def _gif_fwd(hs, ws, bs, ht, wt, bt, sel, cfg):
+  value = lambda x: None if x is None else x.value  # noqa: E731
+  total, grads = cfg.run("distill_grad_in_forward",
+                         functools.partial(_forward_with_grads, cfg=cfg),
+                         *(value(x) for x in (hs, ws, bs, ht, wt, bt, sel)))
+  # Residuals: the student's gradients of the differentiated inputs (a frozen head, as under
+  # LoRA, keeps none and XLA drops its product); the backward scales them.
+  return total, tuple(g if x is not None and x.perturbed else None
+                      for g, x in zip(grads, (hs, ws, bs)))
+
+
+def _gif_bwd(cfg, residuals, g):
+  if isinstance(g, SymbolicZero):
+    return (None,) * 7
+  scale = lambda x: None if x is None else (x * g).astype(x.dtype)  # noqa: E731
+  # The teacher is a constant: no gradient reaches it, nor the selection.
+  return (*(scale(x) for x in residuals), None, None, None, None)
+
+
+# Plain defvjp (optimize_remat=True breaks reverse over reverse), with symbolic zeros.
+_distill_grad_in_forward.defvjp(_gif_fwd, _gif_bwd, symbolic_zeros=True)
 
 
 # Top-k distillation ---------------------------------------------------------------------------
