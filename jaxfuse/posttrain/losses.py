@@ -1,4 +1,5 @@
-"""Preference losses as pure functions of per-token log-probabilities and completion masks.
+"""Preference and policy-gradient losses as pure functions of per-token log-probabilities and
+completion masks.
 
 The per-token log-probabilities come from the LM head without its logits
 (:func:`jaxfuse.ops.linear_log_probs`); these functions turn them into a loss and the metrics
@@ -15,7 +16,9 @@ log-probabilities and compare the losses, the metrics and the gradients:
   ``cpo_config.py``;
 * :func:`orpo_loss` from ``trl/experimental/orpo/orpo_trainer.py``;
 * :func:`kto_loss` from ``trl/trainer/kto_trainer.py`` (``KTOTrainer._compute_loss``; the
-  ``trl.experimental.kto`` names are deprecated aliases of it).
+  ``trl.experimental.kto`` names are deprecated aliases of it);
+* :func:`grpo_loss` (GRPO, Dr. GRPO, DAPO, BNPO, GSPO's sequence-level ratios, CISPO, SAPO,
+  LUSPO, VESPO) from ``trl/trainer/grpo_trainer.py`` (``GRPOTrainer._compute_loss``).
 
 TRL's ``logits/chosen`` and ``logits/rejected`` metrics (means of the logits) are not computed:
 these functions never see the logits.
@@ -45,8 +48,9 @@ CPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "simpo", "alphapo")
 # TRL 1.16.0's KTO loss types (``KTOConfig.loss_type``).
 KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")
 
-__all__ = ["CPO_LOSS_TYPES", "DPO_LOSS_TYPES", "F_DIVERGENCES", "KTO_LOSS_TYPES", "cpo_loss",
-           "dpo_loss", "kto_loss", "orpo_loss", "sequence_logps"]
+__all__ = ["CPO_LOSS_TYPES", "DPO_LOSS_TYPES", "F_DIVERGENCES", "GRPO_LOSS_TYPES",
+           "IMPORTANCE_SAMPLING_LEVELS", "KTO_LOSS_TYPES", "cpo_loss", "dpo_loss", "grpo_loss",
+           "kto_loss", "orpo_loss", "sequence_logps"]
 
 
 def sequence_logps(token_logps: jax.Array, mask: jax.Array,
@@ -525,4 +529,183 @@ def kto_loss(token_logps: jax.Array, mask: jax.Array, labels: jax.Array, ref_log
       "logps/rejected": mean_over(~labels, logps),
   }
   metrics["rewards/margins"] = metrics["rewards/chosen"] - metrics["rewards/rejected"]
+  return loss, metrics
+
+
+# GRPO and its successors ----------------------------------------------------------------------
+
+# TRL 1.16.0's GRPO loss types (``GRPOConfig.loss_type``; "dapo" is its default).
+GRPO_LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+# The loss types whose ratio is clipped to [1 - epsilon, 1 + epsilon_high].
+_CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+
+
+def _masked_mean(x, mask):
+  """The mean of ``x`` over the tokens of ``mask`` (one value a sequence: over the sequences)."""
+  if x.shape[-1] == 1:
+    return jnp.mean(x)
+  return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def _check_grpo(loss_type, importance_sampling_level, beta, ref_logps, epsilon, epsilon_high,
+                delta):
+  if loss_type not in GRPO_LOSS_TYPES:
+    raise ValueError(f"grpo_loss: unknown loss_type {loss_type!r}; TRL 1.16's are "
+                     f"{GRPO_LOSS_TYPES}")
+  if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+    raise ValueError(f"grpo_loss: importance_sampling_level must be one of "
+                     f"{IMPORTANCE_SAMPLING_LEVELS}, got {importance_sampling_level!r}")
+  if beta != 0.0 and ref_logps is None:
+    raise ValueError("grpo_loss: beta != 0 needs ref_logps (the reference's per-token "
+                     "log-probabilities) for the KL term")
+  if not epsilon >= 0 or (epsilon_high is not None and not epsilon_high >= 0):
+    raise ValueError(f"grpo_loss: epsilon and epsilon_high must be >= 0, got {epsilon} and "
+                     f"{epsilon_high}")
+  if delta is not None and loss_type not in _CLIPPED:
+    raise ValueError(f"grpo_loss: delta (two-sided clipping) applies to the loss types "
+                     f"{_CLIPPED}, not {loss_type!r}")
+
+
+def _vespo_weights(advantages, log_ratio, mask, k_pos, lambda_pos, k_neg, lambda_neg):
+  """VESPO's gamma weights of the sequence-level ratio ``w``, ``phi(w) = e^lambda w^k
+  e^(-lambda w)`` (``phi(1) = 1``), constants of the gradient (TRL's ``get_gamma_weights``)."""
+  low = math.log(1e-8)
+  seq = jnp.sum(jnp.clip(log_ratio, -20.0, 20.0) * mask, axis=-1, keepdims=True)
+  log_w = jnp.clip(seq, low, 20.0)
+  nonneg = advantages >= 0
+  k = jnp.where(nonneg, k_pos, k_neg)
+  lam = jnp.maximum(jnp.where(nonneg, lambda_pos, lambda_neg), 1e-4)
+  phi = jnp.exp(lam + k * log_w - lam * jnp.exp(log_w))
+  phi = jnp.where(jnp.isfinite(phi), phi, 0.0)
+  return jax.lax.stop_gradient(phi)
+
+
+def grpo_loss(token_logps: jax.Array, old_logps: jax.Array | None, advantages: jax.Array,
+              mask: jax.Array, *, ref_logps: jax.Array | None = None, beta: float = 0.0,
+              loss_type: str = "dapo", epsilon: float = 0.2, epsilon_high: float | None = None,
+              delta: float | None = None, importance_sampling_level: str = "token",
+              use_bias_correction_kl: bool = False, max_completion_length: int | None = None,
+              num_items_in_batch: jax.Array | float | None = None,
+              sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05,
+              vespo_k_pos: float = 2.0, vespo_lambda_pos: float = 3.0, vespo_k_neg: float = 3.0,
+              vespo_lambda_neg: float = 2.0, entropies: jax.Array | None = None,
+              ) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """The GRPO-family policy loss of completions ``[B, T]``, as TRL 1.16.0's
+  ``GRPOTrainer._compute_loss`` computes it (``trl/trainer/grpo_trainer.py``), with its metrics.
+
+  Per token, the importance ratio ``r = exp(log p - log p_old)`` (``"sequence"`` level, GSPO:
+  the exponential of the sequence's mean log-ratio) and the advantage ``A`` of its completion:
+
+  - ``grpo``, ``bnpo``, ``dr_grpo``, ``dapo``, ``luspo``: ``-min(r A, clip(r, 1 - epsilon, 1 +
+    epsilon_high) A)`` (``delta``: ``r`` first capped at ``delta``, INTELLECT-2's two-sided
+    clipping);
+  - ``cispo``: ``-min(r, epsilon_high) A log p`` with the capped ratio a constant;
+  - ``sapo``: ``-sigmoid(tau (r - 1)) 4 / tau A``, ``tau`` by the advantage's sign;
+  - ``vespo``: ``-phi(w) A log p``, ``phi`` the gamma weight of the sequence's ratio ``w``;
+
+  plus ``beta`` times the k3 estimate of ``KL(policy || reference)``, ``exp(ref - log p) - (ref -
+  log p) - 1`` (times ``r`` with ``use_bias_correction_kl``). Aggregation: ``grpo`` and ``sapo``
+  average each completion's tokens, then the completions; ``bnpo`` all tokens of the batch;
+  ``dr_grpo`` divides the sum by ``B * max_completion_length``; ``dapo``, ``cispo`` and ``vespo``
+  by ``num_items_in_batch`` (the completion tokens of the whole generation batch: pass it when
+  a batch is split into micro-batches); ``luspo`` sums each completion's tokens and averages.
+
+  Args:
+    token_logps: the policy's log-probabilities of the completion tokens ``[B, T]``.
+    old_logps: those of the policy that sampled them ``[B, T]``; None: the policy itself
+      (one update per batch of rollouts: the ratio is 1, its gradient that of ``log p``).
+    advantages: ``[B]`` (or ``[B, T]``) advantages.
+    mask: ``[B, T]``, 1 on the completion tokens that count.
+    ref_logps: the reference's log-probabilities ``[B, T]`` (needed when ``beta != 0``).
+    beta, loss_type, epsilon, epsilon_high, delta, importance_sampling_level,
+      use_bias_correction_kl, sapo_temperature_pos, sapo_temperature_neg, vespo_*: TRL's
+      ``GRPOConfig`` options of the same names and defaults (``epsilon_high`` None: ``epsilon``).
+    max_completion_length: ``dr_grpo``'s constant (default ``T``).
+    num_items_in_batch: ``dapo``/``cispo``/``vespo``'s divisor (default: ``mask``'s sum).
+    entropies: optional per-token entropies ``[B, T]``, reported as the ``entropy`` metric.
+
+  Returns:
+    ``(loss, metrics)``: the float32 loss and TRL's metrics (``kl`` with ``beta``, ``entropy``
+    with ``entropies``, the clipped fractions ``clip_ratio/low_mean``, ``clip_ratio/high_mean``,
+    ``clip_ratio/region_mean`` or ``cispo_clip_ratio``, ``vespo/phi_seq_mean``).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> logps = jnp.log(jnp.array([[0.5, 0.25], [0.5, 0.5]]))
+    >>> loss, m = grpo_loss(logps, None, jnp.array([1.0, -1.0]), jnp.ones((2, 2)),
+    ...                     loss_type="grpo")
+    >>> float(loss), float(m["clip_ratio/region_mean"])   # ratio 1: -(A) averaged
+    (0.0, 0.0)
+  """
+  _check_grpo(loss_type, importance_sampling_level, beta, ref_logps, epsilon, epsilon_high,
+              delta)
+  f32 = jnp.float32
+  logps = token_logps.astype(f32)
+  mask = mask.astype(f32)
+  old = jax.lax.stop_gradient(logps) if old_logps is None else old_logps.astype(f32)
+  adv = advantages.astype(f32)
+  adv = adv[:, None] if adv.ndim == 1 else adv
+  eps_low = float(epsilon)
+  eps_high = float(epsilon if epsilon_high is None else epsilon_high)
+
+  log_ratio = logps - old
+  if importance_sampling_level == "token":
+    log_weights = log_ratio
+  else:
+    log_weights = (jnp.sum(log_ratio * mask, -1) / jnp.maximum(jnp.sum(mask, -1), 1.0))[:, None]
+  ratio = jnp.exp(log_weights)
+
+  metrics = {}
+  if beta != 0.0:
+    ref = jax.lax.stop_gradient(ref_logps.astype(f32))
+    kl = jnp.exp(ref - logps) - (ref - logps) - 1.0
+    if use_bias_correction_kl:
+      kl = kl * ratio
+  if loss_type == "cispo":
+    per_token = -jax.lax.stop_gradient(jnp.minimum(ratio, eps_high)) * adv * logps
+  elif loss_type in _CLIPPED:
+    clipped = jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
+    capped = ratio if delta is None else jnp.minimum(ratio, float(delta))
+    per_token = -jnp.minimum(capped * adv, clipped * adv)
+  elif loss_type == "sapo":
+    tau = jnp.where(adv > 0, float(sapo_temperature_pos), float(sapo_temperature_neg))
+    per_token = -jax.nn.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * adv
+  else:   # vespo
+    phi = _vespo_weights(adv, log_ratio, mask, vespo_k_pos, vespo_lambda_pos, vespo_k_neg,
+                         vespo_lambda_neg)
+    per_token = -phi * adv * logps
+  if beta != 0.0:
+    per_token = per_token + beta * kl
+
+  masked = per_token * mask
+  if loss_type in ("grpo", "sapo"):
+    loss = jnp.mean(jnp.sum(masked, -1) / jnp.maximum(jnp.sum(mask, -1), 1.0))
+  elif loss_type == "bnpo":
+    loss = jnp.sum(masked) / jnp.maximum(jnp.sum(mask), 1.0)
+  elif loss_type == "dr_grpo":
+    length = mask.shape[1] if max_completion_length is None else max_completion_length
+    loss = jnp.sum(masked) / (masked.shape[0] * length)
+  elif loss_type == "luspo":
+    loss = jnp.mean(jnp.sum(masked, -1))
+  else:   # dapo, cispo, vespo
+    items = jnp.sum(mask) if num_items_in_batch is None else num_items_in_batch
+    loss = jnp.sum(masked) / jnp.maximum(jnp.asarray(items, f32), 1.0)
+
+  stop = jax.lax.stop_gradient
+  if beta != 0.0:
+    metrics["kl"] = _masked_mean(stop(kl), mask)
+  if entropies is not None:
+    metrics["entropy"] = _masked_mean(stop(entropies.astype(f32)), mask)
+  r = stop(ratio)
+  if loss_type in _CLIPPED:
+    low = ((r < 1.0 - eps_low) & (adv < 0)).astype(f32)
+    high = ((r > 1.0 + eps_high) & (adv > 0)).astype(f32)
+    metrics["clip_ratio/low_mean"] = _masked_mean(low, mask)
+    metrics["clip_ratio/high_mean"] = _masked_mean(high, mask)
+    metrics["clip_ratio/region_mean"] = _masked_mean(jnp.maximum(low, high), mask)
+  elif loss_type == "cispo":
+    metrics["cispo_clip_ratio"] = _masked_mean(((r > eps_high) & (adv > 0)).astype(f32), mask)
+  elif loss_type == "vespo":
+    metrics["vespo/phi_seq_mean"] = _masked_mean(phi, mask)
   return loss, metrics

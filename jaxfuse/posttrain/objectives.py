@@ -5,10 +5,10 @@
 - :class:`DPO`, :class:`CPO` (SimPO and AlphaPO among its loss types), :class:`ORPO`,
   :class:`KTO`: preference objectives over rows that hold a pair each
   (:mod:`jaxfuse.posttrain.data`): the policy's per-token log-probabilities from the fused head
-  (:meth:`jaxfuse.models.Decoder.token_log_probs`, no ``[tokens, V]`` logits), split into the chosen and the rejected completions, then the loss
-  of :mod:`jaxfuse.posttrain.losses`. DPO reads the reference model's per-token
-  log-probabilities from the batch (``ref_logps``), computed once before training
-  (:func:`reference_log_probs`).
+  (:meth:`jaxfuse.models.Decoder.token_log_probs`, no ``[tokens, V]`` logits), split into the
+  chosen and the rejected completions, then the loss of :mod:`jaxfuse.posttrain.losses`. DPO
+  reads the reference model's per-token log-probabilities from the batch (``ref_logps``),
+  computed once before training (:func:`reference_log_probs`).
 
 - :class:`Distill`: a teacher's LM head distilled into the model's on SFT rows, neither
   model's logits materialized; the teacher's variables ride along as :attr:`Distill.constants`.
