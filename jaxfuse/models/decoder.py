@@ -334,11 +334,14 @@ class Decoder(LayerStack, nnx.Module):
     ``cfg.max_seq_len``): per layer, keys and values ``[batch, max_len, kv_heads, head_dim]``."""
     return decoding.init_cache(self.cfg, batch, max_len, dtype)
 
-  def decode(self, tokens: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
+  def decode(self, tokens: jax.Array, cache: dict,
+             lengths: jax.Array | None = None) -> tuple[jax.Array, dict]:
     """Feeds ``tokens [batch, t]`` after the cached ones; returns the float32 logits of the last
     of them ``[batch, V]`` and the updated cache. The prefix is never recomputed: each call
-    computes keys and values for its own tokens only."""
-    return decoding.decode(self, tokens, cache)
+    computes keys and values for its own tokens only. ``lengths [batch]``: right-padded rows
+    of that many real tokens, each then with its own length in the cache (see
+    :func:`jaxfuse.models.decoding.decode`)."""
+    return decoding.decode(self, tokens, cache, lengths)
 
 
 __all__ = ["IGNORE_INDEX", "PARAM_AXES", "Attention", "Block", "Decoder", "MLP", "generate",

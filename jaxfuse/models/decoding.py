@@ -1,9 +1,11 @@
 """Decoding with a KV cache: the cache, one step of the decoder over it, and :func:`generate`.
 
 The cache holds, per layer, the keys and values ``[batch, max_len, kv_heads, head_dim]`` of the
-tokens fed so far, and their number ``length``. Each step computes keys and values for its own
-tokens only and attends over the cached ones and its own (:func:`attend_cached`); the prefix is
-never recomputed. :meth:`jaxfuse.models.Decoder.init_cache` and
+tokens fed so far, and their number ``length``: one for the whole batch, or one a row
+(``[batch]``) once :func:`decode` has been given each row's number of real tokens (right-padded
+rows of different lengths). Each step computes keys and values for its own tokens only and
+attends over the cached ones and its own (:func:`attend_cached`); the prefix is never
+recomputed. :meth:`jaxfuse.models.Decoder.init_cache` and
 :meth:`jaxfuse.models.Decoder.decode` call these functions.
 """
 
@@ -34,16 +36,22 @@ def attend_cached(attn, x: jax.Array, positions: jax.Array, cache: dict, length:
   """Attention of ``x`` (``t`` new tokens at ``positions``) over the cached keys and values
   ``[0, length)`` and its own, by a :class:`jaxfuse.models.Attention` ``attn`` of a layer of
   ``kind``; returns the output and the layer's cache with the new keys and values written at
-  ``length``. A sliding-window layer skips the key tiles before its window."""
+  ``length``. ``length`` is a scalar or one a row (``[batch]``: each row writes at, and
+  attends over, its own length). A sliding-window layer skips the key tiles before its
+  window."""
   cfg = attn.cfg
   q, k, v = attn.heads(x, positions, kind)
   t = x.shape[-2]
 
   def write(cached, new):
-    return jax.lax.dynamic_update_slice_in_dim(cached, new.astype(cached.dtype), length, axis=1)
+    new = new.astype(cached.dtype)
+    if jnp.ndim(length) == 0:
+      return jax.lax.dynamic_update_slice_in_dim(cached, new, length, axis=1)
+    row_write = jax.vmap(lambda c, n, at: jax.lax.dynamic_update_slice_in_dim(c, n, at, axis=0))
+    return row_write(cached, new, length)
 
   keys, values = write(cache["k"], k), write(cache["v"], v)
-  kv_lengths = jnp.full(x.shape[:1], length + t, jnp.int32)
+  kv_lengths = jnp.broadcast_to(length + t, x.shape[:1]).astype(jnp.int32)
   o = attention(q, keys.astype(q.dtype), values.astype(q.dtype), causal="bottom_right",
                 kv_lengths=kv_lengths, sliding_window=cfg.window(kind),
                 scale=cfg.attention_scale, logit_softcap=cfg.attn_logit_softcap,
@@ -64,19 +72,32 @@ def decode_block(block, h: jax.Array, positions: jax.Array, cache: dict, length:
   return h + (after_mlp(m) if after_mlp else m), cache
 
 
-def decode(model, tokens: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
+def decode(model, tokens: jax.Array, cache: dict,
+           lengths: jax.Array | None = None) -> tuple[jax.Array, dict]:
   """Feeds ``tokens [batch, t]`` to a :class:`jaxfuse.models.Decoder` after the cached ones;
-  returns the float32 logits of the last of them ``[batch, V]`` and the updated cache."""
+  returns the float32 logits of the last of them ``[batch, V]`` and the updated cache.
+
+  ``lengths [batch]``: the rows are right-padded, row ``b``'s real tokens are the first
+  ``lengths[b]``. The logits are then those of each row's last real token, and the cache holds
+  a length a row (its length plus ``lengths[b]``): each row's next tokens go at its own
+  position and attend over its own keys only. The padding's keys, written past a row's length,
+  are never attended to by real tokens, and later tokens overwrite them."""
   length = cache["length"]
   t = tokens.shape[-1]
-  positions = length + jnp.arange(t)
+  positions = jnp.expand_dims(length, -1) + jnp.arange(t)   # [t], or [batch, t] a row each
   h = model.embed(tokens)
   layers = []
   for i, kv in enumerate(cache["layers"]):
     h, kv = decode_block(model.layer(i), h, positions, kv, length, model.cfg.layer_kind(i))
     layers.append(kv)
-  logits = model.logits_from_hidden(model.norm(h[:, -1:]))[:, 0]
-  return logits, {"layers": layers, "length": length + t}
+  if lengths is None:
+    last, length = h[:, -1:], length + t
+  else:
+    lengths = jnp.asarray(lengths, jnp.int32)
+    last = jnp.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)
+    length = length + lengths
+  logits = model.logits_from_hidden(model.norm(last))[:, 0]
+  return logits, {"layers": layers, "length": length}
 
 
 def recompute_position(cfg) -> int | None:
