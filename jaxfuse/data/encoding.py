@@ -331,6 +331,16 @@ class Encoder:
                             f"{_name(self.tokenizer)})")
     return ids.astype(np.int32), np.asarray(mask, dtype=np.uint8)
 
+  def encode_prompt(self, prompt: str | Sequence[dict], source: str) -> np.ndarray:
+    """The int32 ids of a prompt to be continued by the model: a string as a prompt/completion
+    record's prompt (the tokenizer's leading special tokens, then its tokens), a message list
+    rendered by the chat template with the generation prompt (the assistant's turn opened)."""
+    if isinstance(prompt, str):
+      ids = self.prefix + self._tokens(prompt)
+    else:
+      ids = self._render(source, list(prompt), generation_prompt=True, tokenize=True)
+    return self._checked(source, ids, [0] * len(ids))[0]
+
   def _chat(self, record: Record) -> tuple[np.ndarray, np.ndarray]:
     return self.encode_chat(record.messages, record.source)
 

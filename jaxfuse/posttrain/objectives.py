@@ -36,8 +36,8 @@ from jaxfuse.posttrain import losses
 from jaxfuse.data.packing import IGNORE_INDEX
 from jaxfuse.posttrain.data import pair_masks
 
-__all__ = ["CPO", "DPO", "KTO", "OBJECTIVES", "ORPO", "SFT", "Distill", "DistillTopK", "Objective",
-           "make_objective", "pair_log_probs", "reference_log_probs", "split_pairs"]
+__all__ = ["CPO", "DPO", "GRPO", "KTO", "OBJECTIVES", "ORPO", "SFT", "Distill", "DistillTopK",
+           "Objective", "make_objective", "pair_log_probs", "reference_log_probs", "split_pairs"]
 
 
 class Objective:
@@ -287,7 +287,59 @@ class DistillTopK(Objective):
     return loss, {}
 
 
-OBJECTIVES = ("sft", "dpo", "cpo", "simpo", "orpo", "kto", "distill")
+@dataclasses.dataclass(frozen=True)
+class GRPO(Objective):
+  """The GRPO-family policy loss (:func:`jaxfuse.posttrain.grpo_loss`) on rows of rollouts
+  (:func:`jaxfuse.posttrain.grpo.rollout_batch`): the policy's per-token log-probabilities of
+  the completions from the fused head at the sampling ``temperature`` (no ``[tokens, V]``
+  logits), the row's ``advantages`` (``[B, seq]``, one value a row), and, where the batch holds
+  them, ``old_logps`` (the sampling policy's, with several updates a batch of rollouts) and
+  ``ref_logps`` (the reference's, with ``beta``).
+
+  ``dapo``, ``cispo`` and ``vespo`` divide by the completion tokens of the whole batch, so
+  micro-batches weigh by their tokens (``token_weighted``); the other loss types are means over
+  rows (or their local tokens, ``bnpo``), and each micro-batch weighs alike."""
+  beta: float = 0.0
+  loss_type: str = "dapo"
+  epsilon: float = 0.2
+  epsilon_high: float | None = None
+  delta: float | None = None
+  importance_sampling_level: str = "token"
+  temperature: float = 1.0
+  max_completion_length: int | None = None
+  name = "grpo"
+  progress_metrics = ("reward", "completion_length")
+
+  @property
+  def token_weighted(self) -> bool:
+    return self.loss_type in ("dapo", "cispo", "vespo")
+
+  def check(self):
+    jax.eval_shape(lambda: self._loss(jnp.zeros((2, 3)), jnp.zeros((2, 3)), jnp.ones((2, 3)),
+                                      {"ref_logps": jnp.zeros((2, 3))}, None))
+    if not self.temperature > 0:
+      raise ValueError(f"--temperature must be > 0 for --objective grpo's log-probabilities, "
+                       f"got {self.temperature}")
+
+  def _loss(self, logps, entropy, mask, batch, advantages):
+    adv = jnp.zeros(logps.shape[:1]) if advantages is None else advantages
+    return losses.grpo_loss(
+        logps, batch.get("old_logps"), adv, mask, ref_logps=batch.get("ref_logps"),
+        beta=self.beta, loss_type=self.loss_type, epsilon=self.epsilon,
+        epsilon_high=self.epsilon_high, delta=self.delta,
+        importance_sampling_level=self.importance_sampling_level,
+        max_completion_length=self.max_completion_length,
+        num_items_in_batch=batch.get("total_targets"), entropies=entropy)
+
+  def loss(self, model, batch):
+    logps, entropy = model.token_log_probs(
+        batch["tokens"], batch["targets"], batch.get("positions"), batch.get("segment_ids"),
+        temperature=self.temperature, return_entropy=True)
+    mask = (batch["targets"] != IGNORE_INDEX).astype(jnp.float32)
+    return self._loss(logps, entropy, mask, batch, batch["advantages"][:, 0])
+
+
+OBJECTIVES = ("sft", "dpo", "cpo", "simpo", "orpo", "kto", "distill", "grpo")
 
 
 def make_objective(name: str, **options: Any) -> Objective:
@@ -301,7 +353,8 @@ def make_objective(name: str, **options: Any) -> Objective:
   options = {k: v for k, v in options.items() if v is not None}
   if name == "simpo":
     name, options = "cpo", {"loss_type": "simpo", "cpo_alpha": 0.0, **options}
-  kinds = {"sft": SFT, "dpo": DPO, "cpo": CPO, "orpo": ORPO, "kto": KTO, "distill": Distill}
+  kinds = {"sft": SFT, "dpo": DPO, "cpo": CPO, "orpo": ORPO, "kto": KTO, "distill": Distill,
+           "grpo": GRPO}
   if name not in kinds:
     raise ValueError(f"--objective must be one of {', '.join(OBJECTIVES)}, got {name!r}")
   kind = kinds[name]

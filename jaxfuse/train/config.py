@@ -39,7 +39,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 LOSS_ON = ("all", "completion")
 LONG_DOCUMENTS = ("auto", "split", "truncate")
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
-OBJECTIVES = ("sft", "dpo", "cpo", "simpo", "orpo", "kto", "distill")
+OBJECTIVES = ("sft", "dpo", "cpo", "simpo", "orpo", "kto", "distill", "grpo")
 # The objectives whose records are pairs (prompt/chosen/rejected; KTO's completion and its
 # mismatched pair), one a row.
 PAIRED = ("dpo", "cpo", "simpo", "orpo", "kto")
@@ -52,7 +52,17 @@ OBJECTIVE_OPTIONS = {
     "orpo": ("beta",),
     "kto": ("beta", "loss_type", "desirable_weight", "undesirable_weight"),
     "distill": ("beta", "distill_temperature", "teacher", "teacher_topk"),
+    "grpo": ("beta", "loss_type", "epsilon", "epsilon_high", "delta",
+             "importance_sampling_level", "rollout_temperature", "reward", "reward_weights",
+             "num_generations", "max_new_tokens", "top_p", "top_k", "num_iterations",
+             "scale_rewards"),
 }
+# The options of --objective grpo that the rollouts take, not its loss.
+ROLLOUT_OPTIONS = ("reward", "reward_weights", "num_generations", "max_new_tokens", "top_p",
+                   "top_k", "num_iterations", "scale_rewards")
+# Their defaults (TRL's GRPOConfig's, but for a CPU-sized max_new_tokens).
+ROLLOUT_DEFAULTS = {"num_generations": 8, "max_new_tokens": 64, "top_p": 1.0, "top_k": 0,
+                    "num_iterations": 1, "scale_rewards": "group", "rollout_temperature": 1.0}
 REMAT_POLICIES = tuple(sorted(remat.PRESETS) + sorted(remat.RECIPES))
 
 
@@ -104,14 +114,17 @@ class TrainConfig:
                         "completions and assistant turns (SFT)", LOSS_ON)
   objective: str = option("sft", "objective", "sft (next tokens), a preference objective on "
                           "prompt/chosen/rejected records (dpo, cpo, simpo, orpo), kto on "
-                          "prompt/completion/label records, or distill (a --teacher's head into "
-                          "the model's, on SFT records)", OBJECTIVES)
+                          "prompt/completion/label records, distill (a --teacher's head into "
+                          "the model's, on SFT records), or grpo (reinforcement learning with "
+                          "--reward on prompt records)", OBJECTIVES)
   beta: float | None = option(None, "objective", "preference objectives: the KL coefficient "
                               "beta (default 0.1); distill: the JSD's beta, 0 forward KL, 1 "
-                              "reverse KL (default 0.5)")
+                              "reverse KL (default 0.5); grpo: the KL to the reference (default "
+                              "0: no reference)")
   loss_type: str | None = option(None, "objective", "dpo: sigmoid, ipo, hinge, robust, ... or "
                                  "several comma-separated (summed); cpo: sigmoid, hinge, ipo, "
-                                 "simpo, alphapo; kto: kto, apo_zero_unpaired")
+                                 "simpo, alphapo; kto: kto, apo_zero_unpaired; grpo: dapo, grpo, "
+                                 "dr_grpo, bnpo, cispo, sapo, luspo, vespo")
   label_smoothing: float | None = option(None, "objective", "dpo, cpo: the preference labels' "
                                          "noise (robust, exo_pair, aot losses)")
   simpo_gamma: float | None = option(None, "objective", "simpo: the target reward margin "
@@ -133,6 +146,34 @@ class TrainConfig:
                                           "desirable completions' losses (default 1)")
   undesirable_weight: float | None = option(None, "objective", "kto: the weight of the "
                                             "undesirable completions' losses (default 1)")
+  reward: list[str] | None = option(None, "objective", "grpo: the reward functions, each "
+                                    "module:function, path/file.py:function, exact_match, "
+                                    "format:REGEX or length:CHARS")
+  reward_weights: str | None = option(None, "objective", "grpo: comma-separated weights of the "
+                                      "--reward functions (default 1 each)")
+  num_generations: int | None = option(None, "objective", "grpo: completions sampled a prompt "
+                                       "(default 8); a step's --batch x --grad-accum rows hold "
+                                       "the completions of that many / G prompts")
+  max_new_tokens: int | None = option(None, "objective", "grpo: the longest completion "
+                                      "(default 64)")
+  rollout_temperature: float | None = option(None, "objective", "grpo: the sampling "
+                                             "temperature, and the policy's in the loss (TRL's "
+                                             "temperature; default 1)")
+  top_p: float | None = option(None, "objective", "grpo: nucleus sampling (default 1: off)")
+  top_k: int | None = option(None, "objective", "grpo: sample among the k most likely tokens "
+                             "(default 0: off)")
+  epsilon: float | None = option(None, "objective", "grpo: the ratio's lower clipping range "
+                                 "(default 0.2)")
+  epsilon_high: float | None = option(None, "objective", "grpo: the upper one (default "
+                                      "--epsilon; cispo: the ratio's cap)")
+  delta: float | None = option(None, "objective", "grpo: two-sided clipping, the ratio capped "
+                               "at delta")
+  importance_sampling_level: str | None = option(None, "objective", "grpo: token (default) or "
+                                                 "sequence (GSPO) ratios")
+  num_iterations: int | None = option(None, "objective", "grpo: optimizer updates a batch of "
+                                      "rollouts (mu, default 1)")
+  scale_rewards: str | None = option(None, "objective", "grpo: group (default), batch or "
+                                     "none: what the advantages are divided by")
   # optimisation
   steps: int = option(600, "optimisation", "optimizer steps (the schedule spans them)")
   batch: int = option(16, "optimisation", "rows a micro-batch; a step takes --batch x "
@@ -513,8 +554,9 @@ def objective_options(cfg: TrainConfig) -> dict[str, Any]:
   options = {}
   for name in OBJECTIVE_OPTIONS.get(cfg.objective, ()):
     value = getattr(cfg, name)
-    if name not in ("teacher", "teacher_topk") and value is not None and value is not False:
-      options["temperature" if name == "distill_temperature" else name] = value
+    if (name not in ("teacher", "teacher_topk") + ROLLOUT_OPTIONS and value is not None
+        and value is not False):
+      options["temperature" if name.endswith("_temperature") else name] = value
   return options
 
 
@@ -541,6 +583,9 @@ def _check_objective(cfg: TrainConfig) -> None:
     if cfg.beta not in (None, 0.0):
       raise ValueError(f"--teacher-topk distils by the forward KL over the teacher's top k "
                        f"(--beta 0), got --beta {cfg.beta}")
+  if cfg.objective == "grpo":
+    _check_grpo(cfg)
+    return
   if cfg.data is None and cfg.objective == "distill":
     raise ValueError("--objective distill needs --data (the records it distils on)")
   if cfg.data is None:
@@ -559,6 +604,62 @@ def _check_objective(cfg: TrainConfig) -> None:
   from jaxfuse.posttrain.objectives import make_objective
 
   make_objective(cfg.objective, **objective_options(cfg))
+
+
+def rollout_options(cfg: TrainConfig) -> dict[str, Any]:
+  """The rollouts' options of ``--objective grpo``, defaults filled in."""
+  names = ROLLOUT_OPTIONS + ("rollout_temperature",)
+  options = {n: getattr(cfg, n) if getattr(cfg, n) is not None else ROLLOUT_DEFAULTS.get(n)
+             for n in names}
+  weights = options.pop("reward_weights")
+  options["reward_weights"] = (None if weights is None
+                               else [float(w) for w in str(weights).split(",")])
+  return options
+
+
+def _check_grpo(cfg: TrainConfig) -> None:
+  if cfg.data is None:
+    raise ValueError("--objective grpo needs --data: prompt records (a 'prompt' field, and "
+                     "whatever the reward functions read) in JSON lines or Parquet")
+  if not cfg.reward:
+    raise ValueError("--objective grpo needs --reward: one or more reward functions "
+                     "(module:function, exact_match, format:REGEX, length:CHARS)")
+  given = [f for f in ("eval_data", "train_tokenizer", "remat_budget") if getattr(cfg, f)]
+  given += ["eval_share"] if cfg.eval_share else []
+  if given:
+    raise ValueError(f"--{given[0].replace('_', '-')} is not available with --objective grpo")
+  options = rollout_options(cfg)
+  g = options["num_generations"]
+  if g < 2:
+    raise ValueError(f"--num-generations must be >= 2 (the advantages compare a prompt's "
+                     f"completions), got {g}")
+  if cfg.global_batch % g:
+    raise ValueError(f"--batch x --grad-accum ({cfg.global_batch} rows) must be a multiple of "
+                     f"--num-generations ({g}): a step's rows are the completions of whole "
+                     f"groups")
+  weights = options["reward_weights"]
+  if weights is not None and len(weights) != len(cfg.reward):
+    raise ValueError(f"--reward-weights gives {len(weights)} weights for {len(cfg.reward)} "
+                     f"--reward functions")
+  for name, low in (("max_new_tokens", 1), ("num_iterations", 1), ("top_k", 0)):
+    if options[name] < low:
+      raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {options[name]}")
+  if not 0 < options["top_p"] <= 1:
+    raise ValueError(f"--top-p must be in (0, 1], got {options['top_p']}")
+  if options["scale_rewards"] not in ("group", "batch", "none"):
+    raise ValueError(f"--scale-rewards must be group, batch or none, got "
+                     f"{options['scale_rewards']!r}")
+  if options["max_new_tokens"] >= cfg.seq:
+    raise ValueError(f"--max-new-tokens ({options['max_new_tokens']}) must leave room for the "
+                     f"prompts in --seq ({cfg.seq})")
+  if cfg.beta is not None and cfg.beta < 0:
+    raise ValueError(f"--beta must be >= 0, got {cfg.beta}")
+  from jaxfuse.posttrain.objectives import make_objective
+  from jaxfuse.posttrain.rewards import load_reward
+
+  make_objective("grpo", **objective_options(cfg))
+  for spec in cfg.reward:
+    load_reward(spec)
 
 
 def _check_lora(cfg: TrainConfig) -> None:

@@ -29,6 +29,7 @@ At the end it samples text, writes ``train_log.json`` and ``loss_curve.png``
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import math
@@ -45,7 +46,7 @@ from flax import nnx
 from jaxfuse import remat
 from jaxfuse.metrics.peak import peak_flops
 from jaxfuse.models import IGNORE_INDEX, Decoder
-from jaxfuse.posttrain.objectives import (SFT, Distill, DistillTopK, Objective,
+from jaxfuse.posttrain.objectives import (GRPO, SFT, Distill, DistillTopK, Objective,
                                           make_objective, reference_log_probs)
 from jaxfuse.train import checkpoint, config, distributed, export, placement
 from jaxfuse.train import inputs as inputs_lib
@@ -55,6 +56,7 @@ from jaxfuse.train.inputs import Inputs
 from jaxfuse.train.model import build, build_teacher, learning_rate, sample_text, trained
 from jaxfuse.train.plot import plot_losses
 from jaxfuse.train.preemption import Preempted, StopSignals
+from jaxfuse.train.rl import GRPOSteps, Prompts
 from jaxfuse.train.writers import MetricWriters
 
 __all__ = ["Preempted", "make_steps", "micro_batches", "reference_pass", "train"]
@@ -416,7 +418,13 @@ def train(cfg: TrainConfig, *, log=print) -> dict:
     objective.check_models(model, f"--teacher {cfg.teacher}")
     if cfg.teacher_topk:   # the teacher's top-k stored once: no teacher while training
       objective = DistillTopK(temperature=objective.temperature)
-  inputs = Inputs.load(cfg, tokenizer, model.cfg.vocab_size, log=log)
+  grpo = isinstance(objective, GRPO)
+  if grpo:   # its rows come from the rollouts of each step
+    objective = dataclasses.replace(
+        objective, max_completion_length=config.rollout_options(cfg)["max_new_tokens"])
+    inputs = Prompts.load(cfg, tokenizer, model.cfg.vocab_size, log=log)
+  else:
+    inputs = Inputs.load(cfg, tokenizer, model.cfg.vocab_size, log=log)
   if teacher is not None and cfg.teacher_topk:
     inputs.set_teacher_topk(*teacher_topk_pass(cfg, teacher, inputs, log=log))
   del teacher
@@ -432,6 +440,8 @@ def train(cfg: TrainConfig, *, log=print) -> dict:
   if objective.needs_reference:   # before resuming: the initial model is the reference
     with on_mesh:
       inputs.set_reference(reference_pass(cfg, graphdef, state, inputs, mesh, log=log))
+  rollouts = (GRPOSteps(cfg, inputs, graphdef, state, train_step, mesh, objective, log=log)
+              if grpo else None)
   start, state, meta, manager = checkpoint.resume(manager, out / "checkpoints", state,
                                                   resume=cfg.resume, log=log)
   if meta is not None:
@@ -473,7 +483,10 @@ def train(cfg: TrainConfig, *, log=print) -> dict:
       task = progress.add_task("train", total=cfg.steps, completed=start, status="") \
           if progress else None
       for step in range(start, end):
-        state, step_metrics = train_step(state, inputs.train(step, mesh))
+        if rollouts is None:
+          state, step_metrics = train_step(state, inputs.train(step, mesh))
+        else:
+          state, step_metrics = rollouts(step, state)
         done = step + 1
         metrics.add(done, step_metrics)
         evaluate_now = bool(eval_batches) and (done % cfg.eval_every == 0 or done == end)
