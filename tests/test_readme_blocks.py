@@ -140,3 +140,32 @@ def test_preference_commands_run_as_written(tmp_path, monkeypatch, capsys):
   margins = history["metrics"]["rewards/margins"]
   assert sum(margins[-5:]) / 5 > sum(margins[:5]) / 5 + 0.05, margins   # it learns
   assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path / commands[1][4])
+
+
+GRPO_MARKER = "<!-- grpo example"
+
+
+def test_grpo_command_runs_as_written(tmp_path, monkeypatch):
+  """The README's reward function and GRPO command, as written, on a tiny checkpoint
+  `transformers` wrote and prompt records the test writes: the run ends and reports the rewards
+  of both functions."""
+  import json
+
+  from jaxfuse.testing.checkpoints import write_tiny_checkpoint
+
+  readme = (ROOT / "README.md").read_text()
+  reward = re.search(r"```python\n# my_rewards.py\n(.*?)```", readme, re.S)
+  block = re.search(rf"{re.escape(GRPO_MARKER)}.*?\n```bash\n(.*?)```", readme, re.S)
+  assert reward and block, "the README has no GRPO example"
+  commands = [shlex.split(line) for line in block.group(1).splitlines() if line.strip()]
+  assert [c[:3] for c in commands] == [["python", "-m", "jaxfuse.train"]]
+  monkeypatch.chdir(tmp_path)
+  write_tiny_checkpoint(tmp_path / "my-llama")
+  (tmp_path / "my_rewards.py").write_text(reward.group(1))
+  rows = [{"prompt": f"What is {a} plus {b}?", "answer": a + b} for a in range(6) for b in range(4)]
+  (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+  assert train.main(commands[0][3:]) == 0
+  run = tmp_path / train.parse_args(commands[0][3:]).out
+  metrics = json.loads((run / "train_log.json").read_text())["history"]["metrics"]
+  steps = train.parse_args(commands[0][3:]).steps
+  assert len(metrics["rewards/answer_first"]) == len(metrics["rewards/exact_match"]) == steps
