@@ -102,3 +102,34 @@ def test_dpo_on_a_mesh_gives_the_single_device_losses(tmp_path):
   np.testing.assert_allclose(mesh["metrics"]["rewards/margins"],
                              one["metrics"]["rewards/margins"], rtol=1e-4, atol=1e-6)
   assert one["loss"][-1] < one["loss"][0]
+
+
+def test_grpo_on_a_mesh_gives_the_single_device_losses(tmp_path):
+  """Rollouts of the sharded policy, rewards, the reference's KL and the GRPO loss over data,
+  fsdp and tensor give one device's rewards and losses, step by step."""
+  import json
+
+  from jaxfuse.testing.checkpoints import write_tiny_checkpoint
+
+  checkpoint = write_tiny_checkpoint(tmp_path / "ckpt", initializer_range=0.1)
+  rows = [{"prompt": f"What is {i} plus 2?", "answer": i + 2} for i in range(8)]
+  (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+  (tmp_path / "vowels.py").write_text(
+      "def vowels(prompts, completions, **_):\n"
+      "    return [sum(c in 'aeiou' for c in t) / max(len(t), 1) for t in completions]\n")
+
+  def run(out, *extra):
+    cfg = train.parse_args(["--objective", "grpo", "--init-from", str(checkpoint), "--data",
+                            str(tmp_path / "prompts.jsonl"), "--reward",
+                            f"{tmp_path / 'vowels.py'}:vowels", "--num-generations", "4",
+                            "--max-new-tokens", "8", "--beta", "0.05", "--steps", "3",
+                            "--warmup", "0", "--batch", "8", "--seq", "32", "--lr", "3e-3",
+                            "--log-every", "1", "--sample-tokens", "0", "--out",
+                            str(tmp_path / out), *extra])
+    return train.train(cfg, log=lambda *_: None)["history"]
+
+  one = run("one")
+  mesh = run("mesh", "--mesh", "data=2,fsdp=2,tensor=2")
+  np.testing.assert_array_equal(mesh["metrics"]["reward"], one["metrics"]["reward"])
+  np.testing.assert_allclose(mesh["loss"], one["loss"], rtol=1e-5, atol=1e-7)
+  assert max(one["metrics"]["reward_std"]) > 0
