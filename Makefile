@@ -43,6 +43,7 @@ bench-tables: $(STAMP)
 	$(PY) -m benchmarks shard --from-json benchmarks/results/shard-cpu-quick.json $(TABLES)
 	$(PY) -m benchmarks moe --from-json benchmarks/results/moe-cpu-quick.json $(TABLES)
 	$(PY) -m benchmarks posttrain --from-json benchmarks/results/posttrain-cpu-quick.json $(TABLES)
+	$(PY) -m benchmarks rl --from-json benchmarks/results/rl-cpu.json $(TABLES)
 
 bench-quick: $(STAMP) $(VENV)/.compare
 	$(PY) -m benchmarks seed --quick

@@ -39,6 +39,7 @@ SUITES = {
     "shard": "benchmarks.suites.shard",
     "moe": "benchmarks.suites.moe",
     "posttrain": "benchmarks.suites.posttrain",
+    "rl": "benchmarks.suites.rl",
 }
 # Options that say where tables go, left out of the command a table says it was written by.
 _OUTPUT_OPTIONS = ("--readme", "--headline")

@@ -540,12 +540,17 @@ def train(cfg: TrainConfig, *, log=print) -> dict:
   plot_losses(history, inputs.entropy_bits, out / "loss_curve.png", unit=unit, per=per)
   val = result["final_val_loss"]
   log(f"{'validation' if val is not None else 'training'} loss "
-      f"{(val if val is not None else result['final_loss'] or math.nan) / unit:.3f} {per}"
+      f"{(val if val is not None else _or_nan(result['final_loss'])) / unit:.3f} {per}"
       + (f" (unigram entropy {inputs.entropy_bits:.3f})" if inputs.entropy_bits else "")
       + f"; {elapsed:.0f} s; wrote {out / 'train_log.json'} and {out / 'loss_curve.png'}")
   if result.get("sample"):
     log("sample:\n" + result["sample"])
   return result
+
+
+def _or_nan(value: float | None) -> float:
+  """A loss for the log: NaN where there is none (a loss of exactly 0 stays 0)."""
+  return math.nan if value is None else value
 
 
 def _quiet(*args, **kwargs):
