@@ -212,6 +212,8 @@ SUITE_COLUMNS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
                    "XLA bytes", "temp", "max err", "max grad err", "note"),
                   ("case", "impl", "median ms", "ratio", "ratio to", "residual", "max grad err",
                    "note")),
+    "rl": (("case", "impl", "time ms (min–max)", "ratio", "ratio to", "note"),
+           ("case", "impl", "median ms", "ratio", "ratio to", "note")),
     "remat": (("case", "impl", "median ms", "ratio", "residual", "budget", "GFLOP",
                "max grad err", "note"),
               ("case", "impl", "median ms", "ratio", "residual", "budget", "GFLOP",
