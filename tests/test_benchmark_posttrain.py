@@ -55,7 +55,9 @@ def test_one_record_per_row(records):
   assert {r.case for r in records["dpo"]} == {"dpo pairs=2 T=16 N=64 D=16 V=128"}
   assert {r.case for r in records["distill"]} == {
       "distill seqs=4 T=16 N=64 Ds=16 Dt=24 V=128"}
-  for r in [*records["dpo"], *records["distill"]]:
+  assert [r.impl for r in records["grpo"]] == ["jaxfuse-xla", "jax-unfused", *TORCH]
+  assert {r.case for r in records["grpo"]} == {"grpo completions=4 T=16 N=64 D=16 V=128"}
+  for r in [*records["dpo"], *records["distill"], *records["grpo"]]:
     assert (r.suite, r.dtype) == ("posttrain", "float32")
     assert r.reference == (None if r.impl == pt.REFERENCE else pt.REFERENCE)
 
@@ -97,12 +99,15 @@ def test_residual_bytes(records, problem):
   # The full-logits rows keep [N, V] floats (at least), the fused ones a few floats a token.
   assert rows["jax-unfused"].residual_bytes >= n * v * 4
   assert rows["torch-eager"].residual_bytes >= n * v * 4
-  fused = LOG_PROBS_ROW if problem == "dpo" else _distill_row()
+  fused = {"dpo": LOG_PROBS_ROW, "grpo": "jaxfuse-xla"}.get(problem) or _distill_row()
   for name in (fused, "trl-chunked"):
     if rows[name].residual_bytes is not None:
-      # jaxfuse's distillation computes the gradients in the forward: it keeps dh and dW.
-      extra = (n * d + v * d) * 4 if problem == "distill" and name == fused else 0
-      assert extra <= rows[name].residual_bytes <= extra + 16 * n, name
+      # jaxfuse's distillation and GRPO compute the gradients in the forward: they keep dh
+      # and dW.
+      extra = (n * d + v * d) * 4 if problem != "dpo" and name == fused else 0
+      # GRPO's torch formula keeps a few floats a token (the ratios, the KL's exponential).
+      per_token = 32 if problem == "grpo" and name == "trl-chunked" else 16
+      assert extra <= rows[name].residual_bytes <= extra + per_token * n, name
   # Liger computes the gradients in the forward and keeps them: dh and dW.
   assert rows["liger-kernel"].residual_bytes == (n * d + v * d) * 4
   assert "residual / torch-eager = " in rows["liger-kernel"].note

@@ -1,6 +1,7 @@
-"""Post-training losses on the LM head, forward + backward, from the hidden states: a DPO step
-and a distillation step. Every row times one step (the loss and the gradients of the policy's
-or student's hidden states ``h`` and head ``W``) and reports the bytes its backward keeps.
+"""Post-training losses on the LM head, forward + backward, from the hidden states: a DPO step,
+a distillation step and a GRPO step. Every row times one step (the loss and the gradients of the
+policy's or student's hidden states ``h`` and head ``W``) and reports the bytes its backward
+keeps.
 
 Shapes (``Shape``): ``pairs`` preference pairs of ``seq`` tokens each, so ``2·pairs`` sequences
 and ``N = 2·pairs·seq`` tokens; the first quarter of every sequence is its prompt (no loss).
@@ -47,6 +48,22 @@ GKD's generalized JSD with ``beta = 0.5``, temperature 1, ``batchmean`` over the
   the mixture ``(1 - beta)·p_s + beta·p_t``), and its soft loss is divided by the labelled tokens
   (``batchmean``). It still computes the student's cross-entropy at weight 0.
 
+``grpo ...`` cases: ``2·pairs`` completions of ``seq`` tokens (the first quarter a prompt: no
+loss), the policy's ``h [N, D]`` and ``W [V, D]``, the sampling policy's and the reference's
+per-token log-probabilities (inputs, near the policy's: ratios leave the clipping range) and an
+advantage a completion: TRL's GRPO loss, its default ``dapo`` type, ``epsilon = 0.2``, the k3 KL
+at ``beta = 0.04``.
+
+- ``jaxfuse-xla``: what the trainer's GRPO objective runs, each token's term and its gradient in
+  the one pass over the logits (:func:`jaxfuse.ops.cross_entropy.token_loss.linear_token_loss`
+  with :func:`jaxfuse.posttrain.objectives.grpo_token_loss`).
+- ``jax-unfused``: the full logits' log-probabilities, then :func:`jaxfuse.posttrain.grpo_loss`.
+- ``torch-eager`` and ``torch-compile``: ``logits = h @ W.T``, TRL's ``selective_log_softmax``
+  and ``GRPOTrainer._compute_loss``'s dapo formula (transcribed); ``trl-chunked``: the same on
+  ``ChunkedLogProbFunction``'s log-probabilities.
+- ``liger-kernel``: ``LigerFusedLinearGRPOLoss(beta=0.04, loss_type="dapo")`` with the same
+  precomputed reference and old log-probabilities.
+
 Liger's rows compute the gradients in the forward and keep them for the backward
 (``torch.func`` inside an autograd Function): their losses are checked against jaxfuse's (the
 plain-JAX row's where jaxfuse's cannot run) at ``SMALL``, and every row's loss against
@@ -80,13 +97,18 @@ from benchmarks import harness
 from benchmarks import records as rec
 from benchmarks.records import Record
 from jaxfuse.ops import base, linear_log_probs, linear_log_probs_reference
-from jaxfuse.posttrain import dpo_loss
+from jaxfuse.ops.cross_entropy.token_loss import linear_token_loss
+from jaxfuse.posttrain import dpo_loss, losses
+from jaxfuse.posttrain.objectives import grpo_token_loss
 
 SUITE = "posttrain"
 REFERENCE = "torch-eager"
 BASELINE = "jax-unfused"
 DPO_BETA = 0.1
 JSD_BETA, TEMPERATURE = 0.5, 1.0
+# GRPO: TRL's default loss type, a KL to a precomputed reference, old log-probabilities given
+# (several updates a batch of rollouts: ratios other than 1, clipping at work).
+GRPO_LOSS, GRPO_BETA, GRPO_EPSILON = "dapo", 0.04, 0.2
 IGNORE = -100
 # Every row's loss against torch-eager's before timing (float32).
 LOSS_RTOL = 1e-4
@@ -130,6 +152,9 @@ class Shape:
     if problem == "dpo":
       return (f"dpo pairs={self.pairs} T={self.seq} N={self.tokens} D={self.d_model} "
               f"V={self.vocab}")
+    if problem == "grpo":
+      return (f"grpo completions={self.sequences} T={self.seq} N={self.tokens} "
+              f"D={self.d_model} V={self.vocab}")
     return (f"distill seqs={self.sequences} T={self.seq} N={self.tokens} Ds={self.d_model} "
             f"Dt={self.teacher_d_model} V={self.vocab}")
 
@@ -137,7 +162,7 @@ class Shape:
 QUICK = Shape(pairs=2, seq=256, d_model=256, vocab=8192, teacher_d_model=512)
 FULL = Shape(pairs=2, seq=1024, d_model=1024, vocab=32000, teacher_d_model=2048)
 SMALL = Shape(pairs=2, seq=32, d_model=32, vocab=512, teacher_d_model=64)
-PROBLEMS = ("dpo", "distill")
+PROBLEMS = ("dpo", "distill", "grpo")
 
 
 # Inputs -----------------------------------------------------------------------------------------
@@ -169,6 +194,13 @@ def inputs(shape: Shape, problem: str, seed: int = 0) -> dict[str, np.ndarray]:
     logp = linear_log_probs_reference(jnp.asarray(out["h_ref"]), jnp.asarray(out["w_ref"]),
                                       jnp.asarray(tokens))
     out["ref"] = np.asarray(jnp.sum(logp.reshape(mask.shape) * mask, axis=1), np.float32)
+  elif problem == "grpo":   # the sampler's and the reference's log-probabilities near the policy's
+    logp = np.asarray(linear_log_probs_reference(jnp.asarray(out["h"]), jnp.asarray(out["w"]),
+                                                 jnp.asarray(tokens)))
+    logp = logp.reshape(mask.shape)
+    out["old"] = np.where(mask, logp + normal(*mask.shape, scale=0.2), 0.0).astype(np.float32)
+    out["ref"] = np.where(mask, logp + normal(*mask.shape, scale=0.2), 0.0).astype(np.float32)
+    out["advantages"] = normal(shape.sequences)
   else:
     dt = shape.teacher_d_model
     out["h_t"], out["w_t"] = normal(n, dt), normal(v, dt, scale=dt ** -0.5)
@@ -182,6 +214,29 @@ def _jax_dpo(log_probs: Callable, shape: Shape) -> Callable:
   def loss(h, w, tokens, mask, ref):
     logp = log_probs(h, w, tokens).reshape(shape.sequences, shape.seq)
     return dpo_loss(logp, ref, mask, beta=DPO_BETA)[0]
+  return loss
+
+
+GRPO_TERMS = losses.GRPOTerms(loss_type=GRPO_LOSS, beta=GRPO_BETA, epsilon_low=GRPO_EPSILON,
+                              epsilon_high=GRPO_EPSILON)
+
+
+def _jax_grpo(shape: Shape, fused: bool) -> Callable:
+  """TRL's GRPO loss of the completions: by the fused token loss as the trainer's GRPO
+  objective takes it (each token's term and its gradient in the one pass over the logits), or
+  by the full logits' log-probabilities and :func:`jaxfuse.posttrain.grpo_loss`."""
+  fn = grpo_token_loss(GRPO_TERMS, True, True)
+
+  def loss(h, w, tokens, mask, old, ref, advantages):
+    m = mask.astype(jnp.float32)
+    if fused:
+      weights = losses.grpo_token_weights(m, GRPO_LOSS)
+      adv = jnp.broadcast_to(advantages[:, None], m.shape)
+      return linear_token_loss(h, w, tokens, fn, adv.reshape(-1), weights.reshape(-1),
+                               old.reshape(-1), ref.reshape(-1))
+    logp = linear_log_probs_reference(h, w, tokens).reshape(m.shape)
+    return losses.grpo_loss(logp, old, advantages, m, ref_logps=ref, beta=GRPO_BETA,
+                            loss_type=GRPO_LOSS, epsilon=GRPO_EPSILON)[0]
   return loss
 
 
@@ -215,6 +270,8 @@ def jax_rows(shape: Shape, problem: str) -> tuple[dict[str, Callable], dict[str,
   if problem == "dpo":
     return {_jaxfuse_row("linear_log_probs"): _jax_dpo(linear_log_probs, shape),
             BASELINE: _jax_dpo(linear_log_probs_reference, shape)}, {}
+  if problem == "grpo":
+    return {"jaxfuse-xla": _jax_grpo(shape, True), BASELINE: _jax_grpo(shape, False)}, {}
   op, why = distillation_op()
   rows, skipped = {}, {}
   if op is None:
@@ -228,9 +285,14 @@ def jax_rows(shape: Shape, problem: str) -> tuple[dict[str, Callable], dict[str,
   return rows, skipped
 
 
+GRPO_KEYS = ("h", "w", "tokens", "mask", "old", "ref", "advantages")
+
+
 def jax_args(x: dict, problem: str) -> tuple:
   if problem == "dpo":
     return tuple(jnp.asarray(x[k]) for k in ("h", "w", "tokens", "mask", "ref"))
+  if problem == "grpo":
+    return tuple(jnp.asarray(x[k]) for k in GRPO_KEYS)
   return tuple(jnp.asarray(x[k]) for k in ("h", "w", "h_t", "w_t", "tokens"))
 
 
@@ -320,11 +382,63 @@ def _liger_jsd(shape: Shape, compiled: bool) -> Callable:
   return lambda h_s, w_s, h_t, w_t, tokens: module(h_s, w_s, h_t, w_t, tokens)
 
 
+def _trl_grpo_loss(per_token_logps, mask, old, ref, advantages):
+  """TRL 1.16's ``GRPOTrainer._compute_loss`` for the dapo loss with a KL (one process, no
+  accumulation: the divisor is the batch's completion tokens), on per-token log-probabilities."""
+  import torch
+
+  coef_1 = torch.exp(per_token_logps - old)
+  coef_2 = torch.clamp(coef_1, 1 - GRPO_EPSILON, 1 + GRPO_EPSILON)
+  adv = advantages.unsqueeze(1)
+  per_token = -torch.min(coef_1 * adv, coef_2 * adv)
+  kl = torch.exp(ref - per_token_logps) - (ref - per_token_logps) - 1
+  per_token = per_token + GRPO_BETA * kl
+  m = mask.to(per_token.dtype)
+  return (per_token * m).sum() / m.sum().clamp(min=1.0)
+
+
+def _torch_grpo(shape: Shape) -> Callable:
+  from trl.trainer.utils import selective_log_softmax
+
+  def loss(h, w, tokens, mask, old, ref, advantages):
+    logits = (h @ w.T).view(shape.sequences, shape.seq, -1)
+    logp = selective_log_softmax(logits, tokens.view(mask.shape))
+    return _trl_grpo_loss(logp, mask, old, ref, advantages)
+  return loss
+
+
+def _trl_chunked_grpo(shape: Shape) -> Callable:
+  from trl.kernels import ChunkedLogProbFunction
+
+  def loss(h, w, tokens, mask, old, ref, advantages):
+    logp = ChunkedLogProbFunction.apply(h, w, None, tokens, 1.0, TRL_VOCAB_CHUNK, None, 1.0,
+                                        ("log_probs",))[0]
+    return _trl_grpo_loss(logp.view(mask.shape), mask, old, ref, advantages)
+  return loss
+
+
+def _liger_grpo(shape: Shape, compiled: bool) -> Callable:
+  from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+  module = LigerFusedLinearGRPOLoss(beta=GRPO_BETA, compiled=compiled, use_ref_model=True,
+                                    epsilon_low=GRPO_EPSILON, epsilon_high=GRPO_EPSILON,
+                                    loss_type=GRPO_LOSS)
+  rows = (shape.sequences, shape.seq, -1)
+
+  def loss(h, w, tokens, mask, old, ref, advantages):
+    return module(h.view(rows), w, tokens.view(rows[:2]), mask.long(), advantages,
+                  ref_per_token_logps=ref, old_per_token_logps=old)[0]
+  return loss
+
+
 def torch_args(x: dict, problem: str, row: str) -> list:
   """A torch row's arguments: ``h`` and ``w`` first (the differentiated ones)."""
   import torch
 
   t = harness.to_torch
+  if problem == "grpo":   # the prompts' -100 become 0: every position is scored, masked after
+    return [t(x["h"]), t(x["w"]), t(np.maximum(x["tokens"], 0), dtype=torch.long),
+            t(x["mask"]), t(x["old"]), t(x["ref"]), t(x["advantages"])]
   if problem == "distill":
     return [t(x["h"]), t(x["w"]), t(x["h_t"]), t(x["w_t"]), t(x["tokens"], dtype=torch.long)]
   if row == "liger-kernel":
@@ -345,6 +459,8 @@ def torch_rows(shape: Shape, problem: str, *, compiled: bool = True
   rows: dict[str, Callable] = {}
   if problem == "dpo":
     eager, chunked, liger = _torch_dpo, _trl_chunked_dpo, _liger_dpo
+  elif problem == "grpo":
+    eager, chunked, liger = _torch_grpo, _trl_chunked_grpo, _liger_grpo
   else:
     eager, chunked, liger = _gkd_jsd, _trl_chunked_jsd, _liger_jsd
   rows["torch-eager"] = eager(shape)
@@ -359,6 +475,9 @@ def torch_rows(shape: Shape, problem: str, *, compiled: bool = True
         notes.get("liger-kernel"),
         "takes no precomputed reference: computes it from the reference head under no_grad "
         "(one N×D×V product more); gradients computed in the forward and kept")
+  elif problem == "grpo":
+    notes["liger-kernel"] = _join(notes.get("liger-kernel"),
+                                  "gradients computed in the forward and kept")
   else:
     notes["liger-kernel"] = _join(
         notes.get("liger-kernel"),
@@ -416,7 +535,7 @@ def liger_agreement(problem: str) -> tuple[str, float]:
   rows, _ = jax_rows(SMALL, problem)
   name = next(iter(rows))
   ours = float(rows[name](*jax_args(x, problem)))
-  liger = _liger_dpo(SMALL, False) if problem == "dpo" else _liger_jsd(SMALL, False)
+  liger = {"dpo": _liger_dpo, "grpo": _liger_grpo, "distill": _liger_jsd}[problem](SMALL, False)
   theirs = float(liger(*torch_args(x, problem, "liger-kernel")))
   return name, relative(theirs, ours)
 

@@ -76,9 +76,9 @@ def grpo_argv(checkpoint: Path, prompts: Path, out: Path, steps: int, *extra: st
   return ["--objective", "grpo", "--init-from", str(checkpoint), "--data", str(prompts),
           "--reward", "exact_match", "--num-generations", str(GENERATIONS), "--batch",
           str(PROMPTS * GENERATIONS), "--max-new-tokens", str(MAX_NEW), "--seq", "16",
-          "--steps", str(steps), "--warmup", str(min(10, steps - 1)), "--lr", "1.5e-3", "--log-every", "10",
-          "--save-every", str(steps), "--sample-tokens", "0", "--no-tensorboard", "--out",
-          str(out), *extra]
+          "--steps", str(steps), "--warmup", str(min(10, steps - 1)), "--lr", "1.5e-3",
+          "--log-every", "10", "--save-every", str(steps), "--sample-tokens", "0",
+          "--no-tensorboard", "--out", str(out), *extra]
 
 
 def _grpo_records(ctx, root: Path, checkpoint: Path, prompts: Path) -> list[Record]:
@@ -106,7 +106,7 @@ def _grpo_records(ctx, root: Path, checkpoint: Path, prompts: Path) -> list[Reco
                "the host's read-backs (metrics.jsonl), first step excluded")
     record.ratio_to = "jaxfuse"
     record.ratio = statistics.median(times) / statistics.median(runs["jaxfuse"][1])
-    same = (f"rewards equal jax-unfused's at every step" if not len(differ) else
+    same = ("rewards equal the other run's at every step" if not len(differ) else
             f"rewards equal the other run's up to step {int(differ[0])}, then differ")
     record.note = (f"mean reward {start:.3f} at step 1 -> {end:.3f} over the last 10 steps "
                    f"({end / start:.2f}x) in {len(rewards)} steps; {same}")
@@ -198,7 +198,8 @@ def plot(records: Sequence[Record], path: str) -> None:
               label=f"{r.impl} ({window}-step mean)")
   if learning:
     start = learning[0].series["reward"][0]
-    left.axhline(2 * start, color="k", ls="--", lw=1, label=f"twice step 1's reward (2 x {start:.2f})")
+    left.axhline(2 * start, color="k", ls="--", lw=1,
+                 label=f"twice step 1's reward (2 x {start:.2f})")
     left.set_title(learning[0].case, fontsize=9)
   left.set_xlabel("step")
   left.set_ylabel("mean reward of the step's rollouts")

@@ -26,6 +26,7 @@ these functions never see the logits.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -49,8 +50,8 @@ CPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "simpo", "alphapo")
 KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")
 
 __all__ = ["CPO_LOSS_TYPES", "DPO_LOSS_TYPES", "F_DIVERGENCES", "GRPO_LOSS_TYPES",
-           "IMPORTANCE_SAMPLING_LEVELS", "KTO_LOSS_TYPES", "cpo_loss", "dpo_loss", "grpo_loss",
-           "kto_loss", "orpo_loss", "sequence_logps"]
+           "IMPORTANCE_SAMPLING_LEVELS", "KTO_LOSS_TYPES", "GRPOTerms", "cpo_loss", "dpo_loss",
+           "grpo_loss", "grpo_token_weights", "kto_loss", "orpo_loss", "sequence_logps"]
 
 
 def sequence_logps(token_logps: jax.Array, mask: jax.Array,
@@ -581,6 +582,82 @@ def _vespo_weights(advantages, log_ratio, mask, k_pos, lambda_pos, k_neg, lambda
   return jax.lax.stop_gradient(phi)
 
 
+@dataclasses.dataclass(frozen=True)
+class GRPOTerms:
+  """The options of :func:`grpo_loss` that make its per-token terms (hashable: a static
+  argument). :meth:`terms` computes them; where :attr:`token_separable`, each token's term
+  depends on its own log-probability only, and the loss is their sum weighted by
+  :func:`grpo_token_weights` (what :func:`jaxfuse.ops.cross_entropy.token_loss.linear_token_loss`
+  needs to take the gradient in its forward)."""
+
+  loss_type: str = "dapo"
+  beta: float = 0.0
+  epsilon_low: float = 0.2
+  epsilon_high: float = 0.2
+  delta: float | None = None
+  importance_sampling_level: str = "token"
+  use_bias_correction_kl: bool = False
+  sapo_temperature_pos: float = 1.0
+  sapo_temperature_neg: float = 1.05
+  vespo: tuple = (2.0, 3.0, 3.0, 2.0)
+
+  @property
+  def token_separable(self) -> bool:
+    return (self.importance_sampling_level == "token"
+            and self.loss_type not in ("luspo", "vespo"))
+
+  def terms(self, logps, old, adv, ref, mask=None):
+    """``(per_token, ratio, kl, phi)``: each token's loss term (its KL included), the
+    importance ratio, the k3 KL (None without ``beta``) and VESPO's weights (else None)."""
+    log_ratio = logps - old
+    if self.importance_sampling_level == "token":
+      log_weights = log_ratio
+    else:
+      log_weights = (jnp.sum(log_ratio * mask, -1)
+                     / jnp.maximum(jnp.sum(mask, -1), 1.0))[:, None]
+    ratio = jnp.exp(log_weights)
+    kl = phi = None
+    if self.beta != 0.0:
+      ref = jax.lax.stop_gradient(ref)
+      kl = jnp.exp(ref - logps) - (ref - logps) - 1.0
+      if self.use_bias_correction_kl:
+        kl = kl * ratio
+    if self.loss_type == "cispo":
+      per_token = -jax.lax.stop_gradient(jnp.minimum(ratio, self.epsilon_high)) * adv * logps
+    elif self.loss_type in _CLIPPED:
+      clipped = jnp.clip(ratio, 1.0 - self.epsilon_low, 1.0 + self.epsilon_high)
+      capped = ratio if self.delta is None else jnp.minimum(ratio, self.delta)
+      per_token = -jnp.minimum(capped * adv, clipped * adv)
+    elif self.loss_type == "sapo":
+      tau = jnp.where(adv > 0, self.sapo_temperature_pos, self.sapo_temperature_neg)
+      per_token = -jax.nn.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * adv
+    else:   # vespo
+      phi = _vespo_weights(adv, log_ratio, mask, *self.vespo)
+      per_token = -phi * adv * logps
+    if kl is not None:
+      per_token = per_token + self.beta * kl
+    return per_token, ratio, kl, phi
+
+
+def grpo_token_weights(mask: jax.Array, loss_type: str, max_completion_length: int | None = None,
+                       num_items_in_batch=None) -> jax.Array:
+  """Each token's weight in a token-separable GRPO loss ``[B, T]``: the loss is
+  ``sum(weights * per_token)`` (``grpo``, ``sapo``: ``1 / (B * length)``; ``bnpo``: ``1 /
+  tokens``; ``dr_grpo``: ``1 / (B * max_completion_length)``; ``dapo``, ``cispo``: ``1 /
+  num_items_in_batch``, as ``vespo``), 0 off the mask."""
+  f32 = jnp.float32
+  mask = mask.astype(f32)
+  if loss_type in ("grpo", "sapo"):
+    return mask / jnp.maximum(jnp.sum(mask, -1, keepdims=True), 1.0) / mask.shape[0]
+  if loss_type == "bnpo":
+    return mask / jnp.maximum(jnp.sum(mask), 1.0)
+  if loss_type == "dr_grpo":
+    length = mask.shape[1] if max_completion_length is None else max_completion_length
+    return mask / (mask.shape[0] * length)
+  items = jnp.sum(mask) if num_items_in_batch is None else num_items_in_batch
+  return mask / jnp.maximum(jnp.asarray(items, f32), 1.0)
+
+
 def grpo_loss(token_logps: jax.Array, old_logps: jax.Array | None, advantages: jax.Array,
               mask: jax.Array, *, ref_logps: jax.Array | None = None, beta: float = 0.0,
               loss_type: str = "dapo", epsilon: float = 0.2, epsilon_high: float | None = None,
@@ -649,49 +726,22 @@ def grpo_loss(token_logps: jax.Array, old_logps: jax.Array | None, advantages: j
   eps_low = float(epsilon)
   eps_high = float(epsilon if epsilon_high is None else epsilon_high)
 
-  log_ratio = logps - old
-  if importance_sampling_level == "token":
-    log_weights = log_ratio
+  options = GRPOTerms(loss_type=loss_type, beta=float(beta), epsilon_low=eps_low,
+                      epsilon_high=eps_high, delta=None if delta is None else float(delta),
+                      importance_sampling_level=importance_sampling_level,
+                      use_bias_correction_kl=bool(use_bias_correction_kl),
+                      sapo_temperature_pos=float(sapo_temperature_pos),
+                      sapo_temperature_neg=float(sapo_temperature_neg),
+                      vespo=(vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg))
+  ref = None if beta == 0.0 else ref_logps.astype(f32)
+  per_token, ratio, kl, phi = options.terms(logps, old, adv, ref, mask)
+  if loss_type == "luspo":   # each completion's sum, averaged
+    loss = jnp.mean(jnp.sum(per_token * mask, -1))
   else:
-    log_weights = (jnp.sum(log_ratio * mask, -1) / jnp.maximum(jnp.sum(mask, -1), 1.0))[:, None]
-  ratio = jnp.exp(log_weights)
+    loss = jnp.sum(per_token * grpo_token_weights(mask, loss_type, max_completion_length,
+                                                  num_items_in_batch))
 
   metrics = {}
-  if beta != 0.0:
-    ref = jax.lax.stop_gradient(ref_logps.astype(f32))
-    kl = jnp.exp(ref - logps) - (ref - logps) - 1.0
-    if use_bias_correction_kl:
-      kl = kl * ratio
-  if loss_type == "cispo":
-    per_token = -jax.lax.stop_gradient(jnp.minimum(ratio, eps_high)) * adv * logps
-  elif loss_type in _CLIPPED:
-    clipped = jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
-    capped = ratio if delta is None else jnp.minimum(ratio, float(delta))
-    per_token = -jnp.minimum(capped * adv, clipped * adv)
-  elif loss_type == "sapo":
-    tau = jnp.where(adv > 0, float(sapo_temperature_pos), float(sapo_temperature_neg))
-    per_token = -jax.nn.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * adv
-  else:   # vespo
-    phi = _vespo_weights(adv, log_ratio, mask, vespo_k_pos, vespo_lambda_pos, vespo_k_neg,
-                         vespo_lambda_neg)
-    per_token = -phi * adv * logps
-  if beta != 0.0:
-    per_token = per_token + beta * kl
-
-  masked = per_token * mask
-  if loss_type in ("grpo", "sapo"):
-    loss = jnp.mean(jnp.sum(masked, -1) / jnp.maximum(jnp.sum(mask, -1), 1.0))
-  elif loss_type == "bnpo":
-    loss = jnp.sum(masked) / jnp.maximum(jnp.sum(mask), 1.0)
-  elif loss_type == "dr_grpo":
-    length = mask.shape[1] if max_completion_length is None else max_completion_length
-    loss = jnp.sum(masked) / (masked.shape[0] * length)
-  elif loss_type == "luspo":
-    loss = jnp.mean(jnp.sum(masked, -1))
-  else:   # dapo, cispo, vespo
-    items = jnp.sum(mask) if num_items_in_batch is None else num_items_in_batch
-    loss = jnp.sum(masked) / jnp.maximum(jnp.asarray(items, f32), 1.0)
-
   stop = jax.lax.stop_gradient
   if beta != 0.0:
     metrics["kl"] = _masked_mean(stop(kl), mask)

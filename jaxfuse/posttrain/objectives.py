@@ -26,6 +26,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -37,7 +38,8 @@ from jaxfuse.data.packing import IGNORE_INDEX
 from jaxfuse.posttrain.data import pair_masks
 
 __all__ = ["CPO", "DPO", "GRPO", "KTO", "OBJECTIVES", "ORPO", "SFT", "Distill", "DistillTopK",
-           "Objective", "make_objective", "pair_log_probs", "reference_log_probs", "split_pairs"]
+           "Objective", "grpo_token_loss", "make_objective", "pair_log_probs",
+           "reference_log_probs", "split_pairs"]
 
 
 class Objective:
@@ -331,12 +333,59 @@ class GRPO(Objective):
         max_completion_length=self.max_completion_length,
         num_items_in_batch=batch.get("total_targets"), entropies=entropy)
 
+  @property
+  def terms(self) -> losses.GRPOTerms:
+    """The per-token terms of this loss (:class:`jaxfuse.posttrain.losses.GRPOTerms`)."""
+    eps_high = self.epsilon if self.epsilon_high is None else self.epsilon_high
+    return losses.GRPOTerms(loss_type=self.loss_type, beta=float(self.beta),
+                            epsilon_low=float(self.epsilon), epsilon_high=float(eps_high),
+                            delta=None if self.delta is None else float(self.delta),
+                            importance_sampling_level=self.importance_sampling_level)
+
   def loss(self, model, batch):
+    mask = (batch["targets"] != IGNORE_INDEX).astype(jnp.float32)
+    advantages = batch["advantages"][:, 0]
+    if model.fused and self.terms.token_separable:
+      return self._fused_loss(model, batch, mask, advantages)
     logps, entropy = model.token_log_probs(
         batch["tokens"], batch["targets"], batch.get("positions"), batch.get("segment_ids"),
         temperature=self.temperature, return_entropy=True)
-    mask = (batch["targets"] != IGNORE_INDEX).astype(jnp.float32)
-    return self._loss(logps, entropy, mask, batch, batch["advantages"][:, 0])
+    return self._loss(logps, entropy, mask, batch, advantages)
+
+  def _fused_loss(self, model, batch, mask, advantages):
+    """Token-level losses: each token's term from its own log-probability, the gradients taken
+    in the one pass over the logits (:func:`jaxfuse.ops.cross_entropy.token_loss
+    .linear_token_loss`); the metrics from the log-probabilities it returns."""
+    from jaxfuse.blocks import lm_head
+    from jaxfuse.ops.cross_entropy.token_loss import linear_token_loss
+
+    h = model.hidden(batch["tokens"], batch.get("positions"), batch.get("segment_ids"))
+    h, weight, bias = lm_head.cast(h, model.lm_head.weight, model.lm_head._bias,
+                                   model.lm_head.dtype)
+    weights = losses.grpo_token_weights(mask, self.loss_type, self.max_completion_length,
+                                        batch.get("total_targets"))
+    extra = [batch[k] for k in ("old_logps", "ref_logps") if k in batch and (
+        k == "old_logps" or self.beta != 0.0)]
+    fn = grpo_token_loss(self.terms, "old_logps" in batch, self.beta != 0.0)
+    loss, (logps, entropy) = linear_token_loss(
+        h, weight, batch["targets"], fn, batch["advantages"], weights, *extra, bias=bias,
+        temperature=self.temperature, logit_softcap=model.cfg.final_logit_softcap,
+        ignore_index=IGNORE_INDEX, chunk_size=model.lm_head.loss_options.get("chunk_size"),
+        return_aux=True)
+    return loss, self._loss(logps, entropy, mask, batch, advantages)[1]
+
+
+@functools.lru_cache(maxsize=64)
+def grpo_token_loss(terms: losses.GRPOTerms, has_old: bool, has_ref: bool):
+  """``fn(logp, advantage, weight, [old], [ref])``: a token's weighted GRPO term (one function
+  object per options, so that the fused op compiles once for them)."""
+
+  def fn(logp, advantage, weight, *rest):
+    old = rest[0] if has_old else jax.lax.stop_gradient(logp)
+    ref = rest[-1] if has_ref else None
+    return weight * terms.terms(logp, old, advantage, ref)[0]
+
+  return fn
 
 
 OBJECTIVES = ("sft", "dpo", "cpo", "simpo", "orpo", "kto", "distill", "grpo")

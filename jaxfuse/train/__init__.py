@@ -15,6 +15,8 @@ the batches the uninterrupted run would have.
   ``orpo`` (prompt/chosen/rejected records), ``kto`` (prompt/completion/label) and ``distill``
   (``--teacher DIR``): objects of :mod:`jaxfuse.posttrain.objectives` the loop calls; DPO's and
   KTO's reference log-probabilities are computed once before training and cached in the run.
+  ``grpo`` (prompt records and ``--reward`` functions): each step samples completions of the
+  current policy and trains on their rewards (:mod:`jaxfuse.train.rl`).
 - Optimisation: optax AdamW with linear warm-up, cosine decay and global-norm clipping;
   ``--grad-accum N`` sums N micro-batches' gradients inside the jitted step; a step whose loss
   is not finite is not applied, and stops the run unless ``--skip-nonfinite`` allows it.
@@ -48,6 +50,7 @@ Example::
 # One job a module; data flows down this list (a module imports only those below it):
 #   cli         argparse: the options of TrainConfig in groups, --config, main()
 #   loop        the jitted steps, the loop, progress, the run's log: train()
+#   rl          --objective grpo: its prompts and the step that samples, scores and trains
 #   writers     TensorBoard, W&B and metrics.jsonl
 #   preemption  SIGTERM/SIGINT: stop at a step every process agrees on
 #   model       the Decoder and its optax optimizer (build), text samples
@@ -59,7 +62,7 @@ Example::
 #   config      TrainConfig, its checks and its configuration files
 
 from jaxfuse.train import (checkpoint, cli, config, corpus, distributed, loop, model, placement,
-                           plot, preemption, writers)
+                           plot, preemption, rl, writers)
 from jaxfuse.train.checkpoint import (CheckpointError, checkpoint_manager, restore_checkpoint,
                                       save_checkpoint)
 from jaxfuse.train.cli import main, parse_args

@@ -56,6 +56,7 @@ from jaxfuse.train.inputs import Inputs
 from jaxfuse.train.model import build, build_teacher, learning_rate, sample_text, trained
 from jaxfuse.train.plot import plot_losses
 from jaxfuse.train.preemption import Preempted, StopSignals
+from jaxfuse.posttrain.rewards import RewardError
 from jaxfuse.train.rl import GRPOSteps, Prompts
 from jaxfuse.train.writers import MetricWriters
 
@@ -486,7 +487,13 @@ def train(cfg: TrainConfig, *, log=print) -> dict:
         if rollouts is None:
           state, step_metrics = train_step(state, inputs.train(step, mesh))
         else:
-          state, step_metrics = rollouts(step, state)
+          try:
+            state, step_metrics = rollouts(step, state)
+          except RewardError:   # the steps done are saved before the run stops
+            if step > start and step % cfg.save_every:
+              metrics.flush()
+              save(step)
+            raise
         done = step + 1
         metrics.add(done, step_metrics)
         evaluate_now = bool(eval_batches) and (done % cfg.eval_every == 0 or done == end)

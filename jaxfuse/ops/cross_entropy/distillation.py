@@ -463,6 +463,17 @@ def _student_logit_grad(s, t, lse_s, lse_t, g, cfg):
   return _through_head(dz * g[:, None], s, cfg.student)
 
 
+def _student_grads(dz, hc, w_mm, dw, db, has_bias):
+  """A chunk's student logit gradient ``dz`` into its ``dh``, added into ``dw`` and ``db``."""
+  cd = jnp.float32
+  dhc = jnp.dot(dz, w_mm, precision=xla.HIGHEST, preferred_element_type=cd)
+  dw = dw + lax.dot_general(dz, hc.astype(cd), (((0,), (0,)), ((), ())),
+                            precision=xla.HIGHEST, preferred_element_type=cd)
+  if has_bias:
+    db = db + jnp.sum(dz, axis=0)
+  return dhc, dw, db
+
+
 def _backward(hs, ws, bs, ht, wt, bt, sel, lse_s, lse_t, g, cfg):
   ht, wt, bt = _opaque(ht, wt, bt)
   n, d = hs.shape
@@ -478,11 +489,7 @@ def _backward(hs, ws, bs, ht, wt, bt, sel, lse_s, lse_t, g, cfg):
     s = xla.chunk_logits(hc, ws, bs, cfg.student)
     t = xla.chunk_logits(tc, wt, bt, cfg.teacher)
     dz = _student_logit_grad(s, t, ls, lt, gc, cfg)
-    dhc = jnp.dot(dz, w_mm, precision=xla.HIGHEST, preferred_element_type=cd)
-    dw = dw + lax.dot_general(dz, hc.astype(cd), (((0,), (0,)), ((), ())),
-                              precision=xla.HIGHEST, preferred_element_type=cd)
-    if bs is not None:
-      db = db + jnp.sum(dz, axis=0)
+    dhc, dw, db = _student_grads(dz, hc, w_mm, dw, db, bs is not None)
     return (dw, db), dhc.astype(hs.dtype)
 
   xs = (xla.chunked(hs, cfg), xla.chunked(ht, cfg), _chunked_select(sel, cfg),
@@ -547,11 +554,7 @@ def _forward_with_grads(hs, ws, bs, ht, wt, bt, sel, cfg):
     ones = jnp.ones_like(div) if valid is None else valid.astype(cd)
     div = div if valid is None else jnp.where(valid, div, 0.0)
     dz = _student_logit_grad(s, t, lse_s, lse_t, ones, cfg)
-    dhc = jnp.dot(dz, w_mm, precision=xla.HIGHEST, preferred_element_type=cd)
-    dw = dw + lax.dot_general(dz, hc.astype(cd), (((0,), (0,)), ((), ())),
-                              precision=xla.HIGHEST, preferred_element_type=cd)
-    if bs is not None:
-      db = db + jnp.sum(dz, axis=0)
+    dhc, dw, db = _student_grads(dz, hc, w_mm, dw, db, bs is not None)
     return (total + jnp.sum(div), dw, db), dhc.astype(hs.dtype)
 
   xs = (xla.chunked(hs, cfg), xla.chunked(ht, cfg), _chunked_select(sel, cfg))
