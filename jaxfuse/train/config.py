@@ -655,11 +655,9 @@ def _check_grpo(cfg: TrainConfig) -> None:
   if cfg.beta is not None and cfg.beta < 0:
     raise ValueError(f"--beta must be >= 0, got {cfg.beta}")
   from jaxfuse.posttrain.objectives import make_objective
-  from jaxfuse.posttrain.rewards import load_reward
 
+  # The reward functions are loaded when the run starts (a module may not exist yet here).
   make_objective("grpo", **objective_options(cfg))
-  for spec in cfg.reward:
-    load_reward(spec)
 
 
 def _check_lora(cfg: TrainConfig) -> None:
